@@ -1,0 +1,18 @@
+"""clover-lite: a lean runtime for block-diffusion MoE language models.
+
+    import clover_lite
+    engine = clover_lite.load("path/to/model")          # or load() for the bundled model
+    out = engine.generate("Hello", max_new_tokens=64)
+    print(out.text, out.stats.tokens_per_forward)
+"""
+
+from .engine import Engine, load
+from .errors import CheckpointError, CloverError, ConfigError, GenerationError, TokenizerError
+from .generation import BlockEvent, DoneEvent, Generation, GenerationConfig, GenerationStats, StepEvent
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "load", "Engine", "GenerationConfig", "Generation", "GenerationStats", "StepEvent", "BlockEvent", "DoneEvent",
+    "CloverError", "ConfigError", "CheckpointError", "TokenizerError", "GenerationError", "__version__",
+]

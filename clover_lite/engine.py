@@ -1,0 +1,184 @@
+"""The public runtime: `load()` a checkpoint into an Engine, then `generate` or `stream`."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from .errors import CloverError, GenerationError
+from .generation import CachedRunner, DoneEvent, Event, Generation, GenerationConfig, denoise
+from .loader import LoadReport, load_model
+from .models.config import ModelConfig, load_config
+from .models.denoiser import Denoiser
+from .tokenizer import Tokenizer
+
+Prompt = str | Sequence[int] | Sequence[dict]
+
+BUNDLED_MODEL = Path(__file__).parent / "data" / "clover-tiny"
+
+
+def default_model_path() -> Path:
+    """The model shipped with the package, used when no path is given."""
+    if not (BUNDLED_MODEL / "config.json").exists():
+        raise CloverError(
+            "no model given and this install has no bundled default model; pass a model directory "
+            "(`clover tiny DIR` writes a tiny random one to try the runtime)"
+        )
+    return BUNDLED_MODEL
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CloverError(f"device '{device}' requested but CUDA is not available here; use device='cpu' or 'auto'")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype is None:
+        # bf16 matmuls on CPU are slow and fp16 inexact there: fp32 on CPU, bf16 on GPUs.
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in names:
+        raise CloverError(f"unknown dtype '{dtype}'; use one of {sorted(names)}")
+    return names[dtype]
+
+
+class Engine:
+    """A loaded model ready to generate.
+
+    Thread-safety: an engine runs one generation at a time. A call from another thread while a
+    generation (or an open `stream`) is running waits for it to finish; a nested call from the thread
+    that is running one raises GenerationError (it would otherwise deadlock).
+    """
+
+    def __init__(
+        self,
+        model: Denoiser,
+        tokenizer: Tokenizer | None,
+        path: Path | None = None,
+        mask_token_id: int | None = None,
+        load_report: LoadReport | None = None,
+    ):
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        self.path = path
+        self.load_report = load_report
+        self.mask_token_id = mask_token_id
+        if self.mask_token_id is None:
+            self.mask_token_id = self.config.mask_token_id
+        if self.mask_token_id is None and tokenizer is not None:
+            self.mask_token_id = tokenizer.mask_token_id
+        eos = list(self.config.eos_token_ids) + (list(tokenizer.eos_token_ids) if tokenizer else [])
+        self.eos_token_ids = list(dict.fromkeys(eos))
+        self.default_config = GenerationConfig(block_size=self.config.block_size)
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    # ---- prompts ----------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids for a prompt: a string (encoded as is), a list of token ids, or chat messages
+        (list of {"role", "content"} dicts, rendered with the model's chat template)."""
+        if isinstance(prompt, str):
+            return self._tokenizer_or_error().encode(prompt)
+        items = list(prompt)
+        if items and all(isinstance(m, dict) for m in items):
+            text = self._tokenizer_or_error().apply_chat_template(items, add_generation_prompt=add_generation_prompt)
+            return self._tokenizer_or_error().encode(text)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            bad = [t for t in items if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise GenerationError(f"token id {bad[0]} is outside the vocabulary (size {self.config.vocab_size})")
+            return [int(t) for t in items]
+        raise GenerationError("prompt must be a string, a list of token ids, or a list of chat message dicts")
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer else ""
+
+    def _tokenizer_or_error(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise GenerationError(f"{self.path}: the model has no tokenizer files; pass token ids instead of text")
+        return self.tokenizer
+
+    # ---- generation -------------------------------------------------------------------------------
+    def resolve_config(self, config: GenerationConfig | None = None, **overrides) -> GenerationConfig:
+        cfg = config or self.default_config
+        if overrides:
+            cfg = cfg.replace(**overrides)
+        return cfg.resolved(self.config.block_size)
+
+    def stream(self, prompt: Prompt, config: GenerationConfig | None = None, **overrides) -> Iterator[Event]:
+        """Yield a StepEvent per denoising step, a BlockEvent per finished block, then a DoneEvent."""
+        cfg = self.resolve_config(config, **overrides)
+        ids = self.encode_prompt(prompt)
+        if self.mask_token_id is None:
+            raise GenerationError(
+                "this model has no mask token (no 'mask_token_id' in config.json and none in the tokenizer); "
+                "pass load(..., mask_token_id=ID) for a block-diffusion checkpoint"
+            )
+        return self._locked(ids, cfg)
+
+    def _locked(self, ids: list[int], cfg: GenerationConfig) -> Iterator[Event]:
+        me = threading.get_ident()
+        if self._owner == me:
+            raise GenerationError(
+                "this engine is already generating in this thread; finish or close the running stream first"
+            )
+        with self._lock:
+            self._owner = me
+            try:
+                runner = CachedRunner(self.model, cfg.block_size, commit=cfg.commit)
+                yield from denoise(
+                    runner, ids, cfg, self.mask_token_id, self.eos_token_ids,
+                    decode=self.decode, max_length=self.config.max_position_embeddings,
+                )
+            finally:
+                self._owner = None
+
+    def generate(self, prompt: Prompt, config: GenerationConfig | None = None, **overrides) -> Generation:
+        """Generate a reply to `prompt`; returns text, token ids, finish reason and stats."""
+        for event in self.stream(prompt, config, **overrides):
+            if isinstance(event, DoneEvent):
+                return event.generation
+        raise RuntimeError("decoding ended without a result")
+
+
+def load(
+    path: str | os.PathLike | None = None,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype | None = None,
+    mask_token_id: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Engine:
+    """Load a model directory (Hugging Face layout: config.json, safetensors, tokenizer files).
+
+    `path` None loads the bundled default model. `device` "auto" picks CUDA when present; `dtype` None
+    means fp32 on CPU and bf16 on a GPU.
+    """
+    model_path = Path(path) if path is not None else default_model_path()
+    if not model_path.exists():
+        raise CloverError(f"{model_path}: no such model directory")
+    if not model_path.is_dir():
+        raise CloverError(f"{model_path}: expected a model directory (config.json, *.safetensors, tokenizer)")
+    config = load_config(model_path)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    model, report = load_model(model_path, config, dev, dt, progress)
+    tokenizer = None
+    if any((model_path / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+        tokenizer = Tokenizer.from_dir(model_path)
+    return Engine(model, tokenizer, model_path, mask_token_id, report)

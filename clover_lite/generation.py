@@ -1,0 +1,370 @@
+"""Block-diffusion decoding: GenerationConfig, the runners that score a block, and the decoding loop.
+
+The loop follows SDAR's published algorithm on a fixed block grid from position 0 (shared DESIGN.md
+section 2): prefill commits the prompt's whole blocks; each block starts as masks (the first one may
+hold the prompt's tail); every step scores the masked positions, commits some of them by the policy;
+a finished block is committed to the cache and the next one starts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from .errors import GenerationError
+from .models.denoiser import Denoiser
+from .sampling import CONFIDENCES, choose
+
+POLICIES = ("threshold", "fixed")
+COMMIT_MODES = ("exact", "reuse")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How to decode. `block_size` / `steps_per_block` None take the model's trained block size and
+    one token per step for the `fixed` policy."""
+
+    max_new_tokens: int = 256
+    block_size: int | None = None
+    steps_per_block: int | None = None
+    policy: str = "threshold"  # threshold: every masked position above `threshold`, at least one per step
+    threshold: float = 0.9
+    confidence: str = "prob"  # prob | margin | entropy (see sampling.choose)
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    commit: str = "exact"  # exact: clean re-forward of a finished block; reuse: keep its last step's states
+
+    def replace(self, **overrides) -> GenerationConfig:
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise GenerationError(f"unknown generation setting(s) {unknown}; known: {sorted(known)}")
+        if "stop" in overrides and isinstance(overrides["stop"], str):
+            overrides["stop"] = (overrides["stop"],)
+        for key in ("stop", "stop_token_ids"):
+            if key in overrides and overrides[key] is not None:
+                overrides[key] = tuple(overrides[key])
+        return replace(self, **overrides)
+
+    def resolved(self, model_block_size: int | None) -> GenerationConfig:
+        """Fill the defaults that depend on the model and check every setting."""
+        self.validate()  # explicit values first, so block_size=0 is an error and not "use the default"
+        block = self.block_size if self.block_size is not None else (model_block_size or 4)
+        steps = self.steps_per_block if self.steps_per_block is not None else block
+        cfg = replace(self, block_size=block, steps_per_block=steps)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        def bad(msg: str) -> GenerationError:
+            return GenerationError(msg)
+
+        if self.max_new_tokens < 1:
+            raise bad(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.block_size is not None and self.block_size < 1:
+            raise bad(f"block_size must be >= 1, got {self.block_size}")
+        if self.steps_per_block is not None and not 1 <= self.steps_per_block <= (self.block_size or 1 << 30):
+            raise bad(
+                f"steps_per_block must be between 1 and block_size ({self.block_size}), got {self.steps_per_block}"
+            )
+        if self.policy not in POLICIES:
+            raise bad(f"policy must be one of {POLICIES}, got '{self.policy}'")
+        if self.confidence not in CONFIDENCES:
+            raise bad(f"confidence must be one of {CONFIDENCES}, got '{self.confidence}'")
+        if self.commit not in COMMIT_MODES:
+            raise bad(f"commit must be one of {COMMIT_MODES}, got '{self.commit}'")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise bad(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not math.isfinite(self.threshold):
+            raise bad(f"threshold must be a finite number, got {self.threshold}")
+        if any(not s for s in self.stop):
+            raise bad("stop strings must be non-empty")
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0  # tokens returned
+    committed_tokens: int = 0  # positions decided by denoising steps (may exceed new_tokens past a stop)
+    forwards: int = 0  # denoising steps
+    commit_forwards: int = 0  # clean forwards committing a finished block
+    blocks: int = 0
+    prefill_seconds: float = 0.0
+    seconds: float = 0.0  # whole generation, prefill included
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.committed_tokens / self.forwards if self.forwards else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        decode = self.seconds - self.prefill_seconds
+        return self.new_tokens / decode if decode > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["tokens_per_forward"] = self.tokens_per_forward
+        d["tokens_per_second"] = self.tokens_per_second
+        return d
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "eos" | "stop" | "length"
+    stats: GenerationStats
+
+
+@dataclass
+class StepEvent:
+    """One denoising step. `block` is the current block with None for positions still masked."""
+
+    block_start: int  # absolute position of the block's first position
+    committed: list[int]  # absolute positions committed by this step
+    tokens: list[int]  # the tokens put there
+    block: list[int | None]
+    text: str  # generated text so far (the contiguous committed part)
+    kind: str = "step"
+
+
+@dataclass
+class BlockEvent:
+    """A block became final (and was committed to the cache unless generation ends with it)."""
+
+    block_start: int
+    tokens: list[int]
+    text: str
+    kind: str = "block"
+
+
+@dataclass
+class DoneEvent:
+    generation: Generation
+    kind: str = "done"
+
+
+Event = StepEvent | BlockEvent | DoneEvent
+
+
+# ---- runners: who scores a block ---------------------------------------------------------------
+class CachedRunner:
+    """Scores blocks against a DenoiseCache: the committed past is run once."""
+
+    def __init__(self, model: Denoiser, block_size: int, commit: str = "exact", prefill_chunk: int = 2048):
+        self.model = model
+        self.block_size = block_size
+        self.commit_mode = commit
+        self.prefill_chunk = prefill_chunk
+        self.device = model.embed_tokens.weight.device
+        self.cache = model.new_cache()
+        self._last_updates = None
+
+    def reserve(self, total: int) -> None:
+        self.cache.reserve(total)
+
+    def _ids(self, ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+
+    @torch.no_grad()
+    def prefill(self, ids: Sequence[int]) -> None:
+        if ids:
+            self.model.prefill(self._ids(ids), self.cache, self.block_size, self.prefill_chunk)
+
+    @torch.no_grad()
+    def step(self, block: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        pos = torch.tensor(list(positions), dtype=torch.long, device=self.device)
+        logits, updates = self.model.step(self._ids(block), self.cache, pos, keep_updates=self.commit_mode == "reuse")
+        self._last_updates = updates
+        return logits[0]
+
+    @torch.no_grad()
+    def commit(self, block: Sequence[int]) -> None:
+        self.model.commit(self._ids(block), self.cache, self.block_size, updates=self._last_updates)
+        self._last_updates = None
+
+
+class RecomputeRunner:
+    """Re-runs the whole sequence (prompt + committed blocks + current block) at every step, with no
+    cache: what llama.cpp's diffusion CLI and LLaDA's reference loop do. The baseline and the check."""
+
+    def __init__(self, model: Denoiser, block_size: int):
+        self.model = model
+        self.block_size = block_size
+        self.device = model.embed_tokens.weight.device
+        self.committed: list[int] = []
+
+    def reserve(self, total: int) -> None:
+        pass
+
+    def prefill(self, ids: Sequence[int]) -> None:
+        self.committed = list(ids)
+
+    @torch.no_grad()
+    def step(self, block: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        ids = torch.tensor([self.committed + list(block)], dtype=torch.long, device=self.device)
+        logits = self.model(ids, block_size=self.block_size)[0]
+        return logits[[len(self.committed) + p for p in positions]]
+
+    def commit(self, block: Sequence[int]) -> None:
+        self.committed += list(block)
+
+
+# ---- the loop ----------------------------------------------------------------------------------
+def fixed_schedule(block_size: int, steps: int) -> list[int]:
+    """Tokens committed at each step of a full block under `fixed`: block_size/steps, remainder first."""
+    base, extra = divmod(block_size, steps)
+    return [base + (1 if s < extra else 0) for s in range(steps)]
+
+
+def select_positions(conf: torch.Tensor, cfg: GenerationConfig, step_in_block: int) -> torch.Tensor:
+    """Indices (into the masked positions) to commit this step; always at least one."""
+    n = conf.shape[0]
+    if cfg.policy == "threshold":
+        chosen = (conf > cfg.threshold).nonzero().flatten()
+        return chosen if chosen.numel() else conf.argmax().reshape(1)
+    schedule = fixed_schedule(cfg.block_size, cfg.steps_per_block)
+    k = schedule[step_in_block] if step_in_block < len(schedule) else 1
+    k = max(1, min(k, n))
+    return torch.topk(conf, k).indices
+
+
+def denoise(
+    runner: CachedRunner | RecomputeRunner,
+    prompt_ids: Sequence[int],
+    cfg: GenerationConfig,
+    mask_token_id: int,
+    eos_token_ids: Sequence[int] = (),
+    decode: Callable[[list[int]], str] | None = None,
+    max_length: int | None = None,
+) -> Iterator[Event]:
+    """Generate after `prompt_ids` by block diffusion, yielding an event per step and per block and a
+    final DoneEvent. `cfg` must be resolved (block_size and steps_per_block set)."""
+    t0 = time.perf_counter()
+    B = cfg.block_size
+    P = len(prompt_ids)
+    if P == 0:
+        raise GenerationError("the prompt is empty; give at least one token (e.g. a BOS token or some text)")
+    total = P + cfg.max_new_tokens
+    if max_length is not None and total > max_length:
+        raise GenerationError(
+            f"prompt ({P} tokens) + max_new_tokens ({cfg.max_new_tokens}) = {total} exceeds the model's context "
+            f"of {max_length} tokens; shorten the prompt or lower max_new_tokens"
+        )
+    decode = decode or (lambda ids: "")
+    eos_ids = set() if cfg.ignore_eos else set(eos_token_ids)
+    stop_ids = (set(cfg.stop_token_ids) | eos_ids) - {mask_token_id}
+    generator = None
+    if cfg.temperature > 0:
+        generator = torch.Generator(device=runner.device)
+        generator.manual_seed(cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+
+    stats = GenerationStats(prompt_tokens=P)
+    runner.reserve(total)
+    first_start = P // B * B
+    runner.prefill(prompt_ids[:first_start])
+    stats.prefill_seconds = time.perf_counter() - t0
+
+    generated: list[int] = []  # final tokens of finished blocks (generated part only)
+    finish, out_ids, out_text = "length", None, None
+
+    def check_stop(gen: list[int | None]) -> tuple[str, list[int], str] | None:
+        """A stop token or string inside the contiguous committed prefix of the generated tokens."""
+        prefix: list[int] = []
+        for t in gen:
+            if t is None:
+                break
+            if t in stop_ids:
+                return ("eos" if t in eos_ids else "stop"), prefix, decode(prefix)
+            prefix.append(t)
+        if cfg.stop and prefix:
+            text = decode(prefix)
+            hits = [text.find(s) for s in cfg.stop if s in text]
+            if hits:
+                return "stop", prefix, text[: min(hits)]
+        return None
+
+    start = first_start
+    while start < total and out_ids is None:
+        end = min(start + B, total)
+        block: list[int | None] = list(prompt_ids[start:P]) + [None] * (end - max(start, P))
+        step_in_block = 0
+        while None in block:
+            masked = [i for i, t in enumerate(block) if t is None]
+            ids = [mask_token_id if t is None else t for t in block]
+            logits = runner.step(ids, masked)
+            tokens, conf = choose(
+                logits, cfg.temperature, cfg.top_k, cfg.top_p, cfg.confidence, mask_token_id, generator
+            )
+            pick = select_positions(conf, cfg, step_in_block).tolist()
+            for j in pick:
+                block[masked[j]] = int(tokens[j])
+            stats.forwards += 1
+            stats.committed_tokens += len(pick)
+            step_in_block += 1
+            gen_view = generated + block[max(P - start, 0) :]
+            stopped = check_stop(gen_view)
+            committed = sorted(start + masked[j] for j in pick)
+            contiguous = [] if stopped else _contiguous(gen_view)
+            yield StepEvent(
+                block_start=start,
+                committed=committed,
+                tokens=[block[p - start] for p in committed],
+                block=list(block),
+                text=stopped[2] if stopped else decode(contiguous),
+            )
+            if stopped:
+                finish, out_ids, out_text = stopped
+                break
+        if out_ids is not None:
+            break
+        final = [int(t) for t in block]
+        generated += final[max(P - start, 0) :]
+        stats.blocks += 1
+        if end < total:
+            runner.commit(final)
+            stats.commit_forwards += 1
+        yield BlockEvent(block_start=start, tokens=final, text=decode(generated))
+        start = end
+
+    if out_ids is None:
+        out_ids = generated
+        out_text = decode(generated)
+    stats.new_tokens = len(out_ids)
+    stats.seconds = time.perf_counter() - t0
+    yield DoneEvent(Generation(text=out_text, token_ids=list(out_ids), finish_reason=finish, stats=stats))
+
+
+def _contiguous(tokens: list[int | None]) -> list[int]:
+    out = []
+    for t in tokens:
+        if t is None:
+            break
+        out.append(t)
+    return out
+
+
+def run_to_end(events: Iterator[Event]) -> Generation:
+    for ev in events:
+        if isinstance(ev, DoneEvent):
+            return ev.generation
+    raise RuntimeError("decoding ended without a result")
+
+
+__all__ = [
+    "GenerationConfig", "GenerationStats", "Generation", "StepEvent", "BlockEvent", "DoneEvent", "Event",
+    "CachedRunner", "RecomputeRunner", "denoise", "run_to_end", "fixed_schedule", "select_positions",
+]

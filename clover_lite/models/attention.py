@@ -1,0 +1,65 @@
+"""Gated full attention (Qwen3.5 / Qwen3-Next): q/k RMSNorm, partial RoPE, GQA, sigmoid output gate.
+
+Queries are the positions being run (a block, or a prefill chunk of whole blocks); keys are the
+committed cache plus those positions. The caller supplies the block-causal mask for the new
+positions; committed positions are always visible to them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import AttentionUpdate
+from .config import ModelConfig
+from .layers import RMSNorm, apply_rotary
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.n_heads = c.num_attention_heads
+        self.n_kv = c.num_key_value_heads
+        self.head_dim = c.head_dim
+        bias = c.attention_bias
+        # q_proj is twice as wide: per head [query, gate].
+        self.q_proj = nn.Linear(c.hidden_size, self.n_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> AttentionUpdate:
+        """Keys (normed, rotated) and values of x [b, L, hidden] -> [b, kv_heads, L, head_dim]."""
+        b, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, L, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, L, self.n_kv, self.head_dim).transpose(1, 2)
+        return AttentionUpdate(k=apply_rotary(k, cos, sin), v=v)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, AttentionUpdate]:
+        """x [b, L, hidden]; mask bool [L, past_len + L] (True = visible) or None for all visible."""
+        b, L, _ = x.shape
+        qg = self.q_proj(x).view(b, L, self.n_heads, 2 * self.head_dim)
+        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
+        q = apply_rotary(self.q_norm(q).transpose(1, 2), cos, sin)
+        new = self.project_kv(x, cos, sin)
+        k, v = new.k, new.v
+        if past is not None and past[0].shape[2] > 0:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=self.n_heads != self.n_kv
+        )
+        out = out.transpose(1, 2).reshape(b, L, self.n_heads * self.head_dim)
+        out = out * torch.sigmoid(gate.reshape(b, L, -1))
+        return self.o_proj(out), new

@@ -1,0 +1,203 @@
+"""The block-diffusion denoiser: a config-driven hybrid GDN / gated-attention MoE transformer.
+
+Two ways to run it, which agree (shared DESIGN.md section 2):
+- reference: `model(input_ids, block_size=B)` -> logits of the whole sequence under the block-causal
+  mask (bidirectional inside a block of the fixed grid from position 0, causal across blocks; GDN
+  causal throughout), no cache;
+- cached: `model.step(block, cache)` runs the positions after the committed ones against a
+  DenoiseCache without changing it; `model.commit(block, cache)` appends them to the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..cache import DenoiseCache, LayerUpdate
+from .attention import GatedAttention
+from .config import ModelConfig
+from .gdn import GatedDeltaNet
+from .layers import RMSNorm, RotaryEmbedding, SwiGLU
+from .moe import SparseMoE
+
+
+def block_causal_mask(
+    start: int, length: int, block_size: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """Visibility of keys [0, start+length) from queries [start, start+length): key j is visible from
+    query i when block(j) <= block(i). None when every key is visible (one block, the common case;
+    block_size None means the caller runs a single block)."""
+    if block_size is None or length == 0:
+        return None
+    first_block = start // block_size
+    last_block = (start + length - 1) // block_size
+    if first_block == last_block:
+        return None
+    q_block = torch.arange(start, start + length, device=device) // block_size
+    k_block = torch.arange(start + length, device=device) // block_size
+    return k_block[None, :] <= q_block[:, None]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int):
+        super().__init__()
+        self.kind = config.layer_types[index]
+        if self.kind == "full_attention":
+            self.self_attn = GatedAttention(config)
+        else:
+            self.linear_attn = GatedDeltaNet(config)
+        if config.mlp_types[index] == "moe":
+            self.mlp = SparseMoE(config)
+        else:
+            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def mix(self, x, cos, sin, mask, past_kv, gdn_state) -> tuple[torch.Tensor, LayerUpdate]:
+        """The token mixer on the normed input; returns its output and the state it would commit."""
+        h = self.input_layernorm(x)
+        if self.kind == "full_attention":
+            return self.self_attn(h, cos, sin, mask, past_kv)
+        return self.linear_attn(h, gdn_state)
+
+    def forward(self, x, cos, sin, mask, past_kv, gdn_state) -> tuple[torch.Tensor, LayerUpdate]:
+        mixed, update = self.mix(x, cos, sin, mask, past_kv, gdn_state)
+        x = x + mixed
+        return x + self.mlp(self.post_attention_layernorm(x)), update
+
+
+class Denoiser(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+        # Tied checkpoints reuse the embedding as the output projection (see `logits`).
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    # ---- pieces ---------------------------------------------------------------------------------
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head on the given hidden states -> fp32 logits."""
+        h = self.norm(hidden)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(h, weight).float()
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        start: int,
+        block_size: int | None,
+        cache: DenoiseCache | None,
+        skip_last_mlp: bool = False,
+    ) -> tuple[torch.Tensor, list[LayerUpdate]]:
+        """Hidden states of input_ids placed at positions [start, start+L), plus every layer's update."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+        b, L = input_ids.shape
+        device = input_ids.device
+        if cache is not None:
+            if cache.length != start:
+                raise ValueError(f"cache holds {cache.length} positions but the input starts at {start}")
+            if cache.batch != b:
+                raise ValueError(f"cache was built for batch {cache.batch}, input has batch {b}")
+        bad = (input_ids < 0) | (input_ids >= self.config.vocab_size)
+        if bool(bad.any()):
+            raise ValueError(
+                f"token id {int(input_ids[bad][0])} is outside the vocabulary (size {self.config.vocab_size})"
+            )
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(torch.arange(start, start + L, device=device))
+        mask = block_causal_mask(start, L, block_size, device)
+        updates: list[LayerUpdate] = []
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            past_kv = cache.kv(i) if cache is not None and layer.kind == "full_attention" else None
+            if layer.kind == "linear_attention":
+                gdn_state = cache.gdn_state(i) if cache is not None else self._zero_gdn_state(b, x)
+            else:
+                gdn_state = None
+            if skip_last_mlp and i == last:
+                # Committing needs only the states; the last layer's MLP feeds nothing but the logits.
+                _, update = layer.mix(x, cos, sin, mask, past_kv, gdn_state)
+            else:
+                x, update = layer(x, cos, sin, mask, past_kv, gdn_state)
+            updates.append(update)
+        return x, updates
+
+    def _zero_gdn_state(self, batch: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        recurrent = torch.zeros(
+            batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+            device=like.device, dtype=torch.float32,
+        )
+        conv = torch.zeros(batch, c.gdn_conv_dim, c.linear_conv_kernel_dim - 1, device=like.device, dtype=like.dtype)
+        return recurrent, conv
+
+    # ---- reference path -------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, block_size: int = 1) -> torch.Tensor:
+        """Logits [batch, L, vocab] (fp32) of the whole sequence under the block-causal mask, no cache."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        hidden, _ = self._run(input_ids, 0, block_size, None)
+        return self.logits(hidden)
+
+    # ---- cached path ----------------------------------------------------------------------------
+    def step(
+        self,
+        block_ids: torch.Tensor,
+        cache: DenoiseCache,
+        positions: torch.Tensor | None = None,
+        keep_updates: bool = False,
+    ) -> tuple[torch.Tensor, list[LayerUpdate] | None]:
+        """One denoising step: run the block after the committed positions without changing the cache.
+
+        `positions` (indices into the block, e.g. its masked positions) limits the logits to those rows:
+        returns (logits [batch, n, vocab] fp32, the block's layer updates if keep_updates else None).
+        The block must not cross a block boundary of the grid (it is one block, or its tail).
+        """
+        hidden, updates = self._run(block_ids, cache.length, None, cache)
+        if positions is not None:
+            hidden = hidden[:, positions]
+        return self.logits(hidden), (updates if keep_updates else None)
+
+    def commit(
+        self,
+        ids: torch.Tensor,
+        cache: DenoiseCache,
+        block_size: int,
+        updates: list[LayerUpdate] | None = None,
+    ) -> None:
+        """Append `ids` (one or more whole blocks of the grid, or a final partial one) to the cache.
+
+        By default a clean forward over the final tokens computes their KV and the advanced GDN state
+        (exact). Passing `updates` from the last `step` reuses that step's states instead (faster,
+        approximate: they were computed while the last committed positions were still masked).
+        """
+        if updates is None:
+            _, updates = self._run(ids, cache.length, block_size, cache, skip_last_mlp=True)
+        cache.apply(updates, ids.shape[1])
+
+    def prefill(self, ids: torch.Tensor, cache: DenoiseCache, block_size: int, chunk_tokens: int = 2048) -> None:
+        """Commit a prompt's whole blocks in chunks of about `chunk_tokens` (rounded to whole blocks)."""
+        chunk = max(block_size, chunk_tokens // block_size * block_size)
+        for s in range(0, ids.shape[1], chunk):
+            self.commit(ids[:, s : s + chunk], cache, block_size)
+
+    def new_cache(self, batch: int = 1, capacity: int = 0) -> DenoiseCache:
+        p = self.embed_tokens.weight
+        return DenoiseCache(self.config, batch=batch, capacity=capacity, device=p.device, dtype=p.dtype)
+
+    def num_parameters(self) -> tuple[int, int]:
+        """(total, active per token): active counts top-k routed experts instead of all of them."""
+        total = sum(p.numel() for p in self.parameters())
+        c = self.config
+        inactive = 0
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                per_expert = layer.mlp.experts.gate_up_proj[0].numel() + layer.mlp.experts.down_proj[0].numel()
+                inactive += per_expert * (c.num_experts - c.num_experts_per_tok)
+        return total, total - inactive

@@ -1,0 +1,75 @@
+"""Sparse MoE block: softmax top-k router (renormalised), fused expert weights, gated shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import SwiGLU
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, normalize: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.top_k = top_k
+        self.normalize = normalize
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
+        probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+
+class Experts(nn.Module):
+    """All experts of a layer as two 3-D tensors: gate_up [E, 2I, hidden] ([gate; up]) and down [E, hidden, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Reference path: loop over the experts that received tokens. x [T, hidden]."""
+        out = torch.zeros_like(x)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        token_of = order // ids.shape[1]
+        w_of = weights.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok = token_of[start : start + n]
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w_of[start : start + n, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+            start += n
+        return out
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.gate = Router(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
+        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        self.shared_expert = (
+            SwiGLU(c.hidden_size, c.shared_expert_intermediate_size) if c.shared_expert_intermediate_size else None
+        )
+        self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False) if self.shared_expert else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, ids = self.gate(flat)
+        out = self.experts(flat, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.reshape(shape)

@@ -1,0 +1,111 @@
+"""Write a Denoiser as a Hugging Face checkpoint (the layout `load` reads), atomically.
+
+Experts are written per expert (`mlp.experts.N.gate_proj.weight`, ...), as transformers saves them.
+The directory appears complete or not at all: everything is written to a temporary sibling that is
+renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .errors import CloverError
+from .models.denoiser import Denoiser
+
+
+def checkpoint_tensors(model: Denoiser, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) pairs in the `model.layers.N.` naming."""
+    for name, p in model.named_parameters():
+        t = p.detach().to("cpu")
+        if dtype is not None:
+            t = t.to(dtype)
+        if name.startswith("lm_head."):
+            yield name, t.contiguous()
+            continue
+        if name.endswith("experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                yield f"model.{base}{e}.gate_proj.weight", t[e, :inter].contiguous()
+                yield f"model.{base}{e}.up_proj.weight", t[e, inter:].contiguous()
+            continue
+        if name.endswith("experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                yield f"model.{base}{e}.down_proj.weight", t[e].contiguous()
+            continue
+        yield f"model.{name}", t.contiguous()
+
+
+def atomic_directory(out: Path, force: bool = False) -> tuple[Path, Callable[[], None]]:
+    """A temporary directory next to `out` and the function that moves it into place."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise CloverError(f"{out} already exists; choose another path or pass force=True (--force) to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+
+    def finish() -> None:
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+
+    return tmp, finish
+
+
+def save_checkpoint(
+    model: Denoiser,
+    out: str | os.PathLike,
+    config_json: dict,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
+    extra_files: Callable[[Path], None] | None = None,
+    force: bool = False,
+) -> Path:
+    """Write config.json + safetensors (sharded with an index when over `max_shard_bytes`).
+
+    `extra_files(tmpdir)` may add tokenizer files before the directory is moved into place.
+    """
+    out = Path(out)
+    tmp, finish = atomic_directory(out, force)
+    try:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, t in checkpoint_tensors(model, dtype):
+            nbytes = t.numel() * t.element_size()
+            if max_shard_bytes and shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = t
+            size += nbytes
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, fname))
+            total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (tmp / "config.json").write_text(json.dumps(config_json, indent=2))
+        if extra_files:
+            extra_files(tmp)
+        finish()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,4 @@
+# Metadata lives in pyproject.toml; this shim keeps `python setup.py develop` and old pips working.
+from setuptools import setup
+
+setup()

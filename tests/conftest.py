@@ -1,0 +1,27 @@
+import os
+
+# Must be set before any @triton.jit function is defined (shared DESIGN.md section 5).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# With pytest-xdist each worker gets one core: OpenMP threads spinning against each other on a 2-core
+# machine make the suite several times slower.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny random clover_moe checkpoint with tokenizer files (block size 4)."""
+    from clover_lite.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=1234)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_dir):
+    import clover_lite
+
+    return clover_lite.load(tiny_dir, device="cpu")

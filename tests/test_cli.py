@@ -1,0 +1,74 @@
+"""The `clover` command as an installed console script, run the way a user runs it."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from clover_lite.cli.main import TextStreamer, layer_pattern
+
+
+def clover(*args, input=None):
+    exe = shutil.which("clover")
+    cmd = [exe] if exe else [sys.executable, "-m", "clover_lite.cli.main"]
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, input=input, timeout=300)
+
+
+def test_tiny_info_run(tmp_path):
+    out = tmp_path / "model"
+    r = clover("tiny", str(out), "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    assert json.loads((out / "config.json").read_text())["model_type"] == "clover_moe"
+
+    r = clover("tiny", str(out))
+    assert r.returncode == 1 and "already exists" in r.stderr and "--force" in r.stderr
+
+    r = clover("info", str(out))
+    assert r.returncode == 0, r.stderr
+    for word in ("clover_moe", "active per token", "3 x GDN + 1 x attention", "8 experts, top-2", "block size 4"):
+        assert word in r.stdout, word
+
+    r = clover("run", "--model", str(out), "Hello", "-n", "12", "--threshold", "0.01")
+    assert r.returncode == 0, r.stderr
+    assert "tokens/forward" in r.stderr and "finish:" in r.stderr
+
+    r = clover("run", "--model", str(out), "-", "--raw", "-n", "5", "--temperature", "0.8", "--seed", "1",
+               "--no-stats", input="from stdin")
+    assert r.returncode == 0 and r.stderr == ""
+
+
+def test_run_errors_are_one_line(tmp_path):
+    r = clover("run", "--model", str(tmp_path / "missing"), "hi")
+    assert r.returncode == 1 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
+    (tmp_path / "config.json").write_text('{"model_type": "gpt9"}')
+    r = clover("info", str(tmp_path))
+    assert r.returncode == 1 and "unknown model_type 'gpt9'" in r.stderr
+
+
+def test_run_without_model_explains_what_to_do():
+    from clover_lite.engine import BUNDLED_MODEL
+
+    if (BUNDLED_MODEL / "config.json").exists():
+        pytest.skip("this install bundles a default model")
+    r = clover("run", "hi")
+    assert r.returncode == 1 and "clover tiny" in r.stderr
+
+
+def test_text_streamer_holds_back_partial_characters_and_stop_prefixes():
+    s = TextStreamer()
+    assert s.feed("ab\ufffd") == "ab"
+    assert s.feed("abé") == "é"
+    assert s.finish("abé!") == "!"
+    s = TextStreamer(stop=("STOP",))
+    assert s.feed("hello ST") == "hello"
+    assert s.feed("hello STOP and more") == " STOP and m"  # only what cannot start a stop string
+    assert TextStreamer(("STOP",)).finish("hello ") == "hello "
+
+
+def test_layer_pattern():
+    assert layer_pattern(("linear_attention",) * 3 + ("full_attention",)) == "3 x GDN + 1 x attention  [GGGA]"
+    p = layer_pattern((("linear_attention",) * 3 + ("full_attention",)) * 10)
+    assert p.startswith("(3 x GDN + 1 x attention) x 10")

@@ -1,0 +1,129 @@
+"""The Python API: load, generate, stream, prompts of every kind, thread-safety and its errors."""
+
+import threading
+
+import pytest
+import torch
+
+import clover_lite
+from clover_lite import BlockEvent, DoneEvent, GenerationError, StepEvent
+from clover_lite.errors import CloverError
+
+from . import hf_models
+
+
+def test_generate_text_messages_and_ids(tiny_engine):
+    e = tiny_engine
+    out = e.generate("Hello", max_new_tokens=9)
+    assert len(out.token_ids) == 9 and out.finish_reason in ("length", "eos")
+    assert out.text == e.decode(out.token_ids)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    ids = e.encode_prompt(msgs)
+    rendered = e.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    assert rendered.endswith("<|im_start|>assistant\n") and ids == e.tokenizer.encode(rendered)
+    assert e.generate(msgs, max_new_tokens=6).token_ids == e.generate(ids, max_new_tokens=6).token_ids
+    s = out.stats
+    assert s.forwards >= 1 and s.committed_tokens >= len(out.token_ids) and s.seconds > 0
+    assert s.tokens_per_forward == s.committed_tokens / s.forwards
+
+
+def test_stream_events(tiny_engine):
+    events = list(tiny_engine.stream([1, 2, 3, 4, 5], max_new_tokens=11, block_size=4, ignore_eos=True))
+    steps = [ev for ev in events if isinstance(ev, StepEvent)]
+    blocks = [ev for ev in events if isinstance(ev, BlockEvent)]
+    assert isinstance(events[-1], DoneEvent)
+    out = events[-1].generation
+    # Every generated position is committed exactly once, by some step.
+    committed = sorted(p for ev in steps for p in ev.committed)
+    assert committed == list(range(5, 16))
+    assert [b.block_start for b in blocks] == [4, 8, 12]
+    assert blocks[0].tokens[0] == 5  # the prompt's tail is part of the first block
+    assert steps[-1].text == out.text and blocks[-1].text == out.text
+    assert all(None not in b.tokens for b in blocks)
+
+
+def test_one_generation_at_a_time(tiny_engine):
+    model = tiny_engine.model
+    active, peak = [0], [0]
+    original = model.step
+
+    def counting_step(*a, **k):
+        active[0] += 1
+        peak[0] = max(peak[0], active[0])
+        try:
+            return original(*a, **k)
+        finally:
+            active[0] -= 1
+
+    model.step = counting_step
+    try:
+        expected = tiny_engine.generate([7, 8, 9], max_new_tokens=8).token_ids
+        results = [None] * 4
+
+        def worker(i):
+            results[i] = tiny_engine.generate([7, 8, 9], max_new_tokens=8).token_ids
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        del model.step
+    assert results == [expected] * 4 and peak[0] == 1
+
+
+def test_nested_generation_in_same_thread_is_an_error(tiny_engine):
+    stream = tiny_engine.stream([1, 2], max_new_tokens=4)
+    next(stream)
+    with pytest.raises(GenerationError, match="already generating"):
+        tiny_engine.generate([1, 2], max_new_tokens=2)
+    stream.close()
+    assert len(tiny_engine.generate([1, 2], max_new_tokens=2).token_ids) == 2  # released
+
+
+def test_prompt_errors(tiny_engine):
+    with pytest.raises(GenerationError, match="context"):
+        tiny_engine.generate([1] * 8000, max_new_tokens=500)
+    with pytest.raises(GenerationError, match="empty"):
+        tiny_engine.generate([], max_new_tokens=2)
+    with pytest.raises(GenerationError, match="outside the vocabulary"):
+        tiny_engine.generate([1, 99999], max_new_tokens=2)
+    with pytest.raises(GenerationError, match="prompt must be"):
+        tiny_engine.generate([1.5, 2], max_new_tokens=2)
+    with pytest.raises(GenerationError, match="unknown generation setting"):
+        tiny_engine.generate("x", max_tokens=3)
+
+
+def test_checkpoint_without_mask_token_or_tokenizer(tmp_path):
+    hf_models.qwen3_5_moe_causal(tmp_path, seed=3)
+    engine = clover_lite.load(tmp_path, device="cpu")
+    assert engine.tokenizer is None and engine.mask_token_id is None
+    with pytest.raises(GenerationError, match="mask token"):
+        engine.generate([1, 2, 3], max_new_tokens=2)
+    with pytest.raises(GenerationError, match="no tokenizer"):
+        engine.generate("text", max_new_tokens=2)
+    engine = clover_lite.load(tmp_path, device="cpu", mask_token_id=95)
+    out = engine.generate([1, 2, 3], max_new_tokens=5, block_size=2)
+    assert len(out.token_ids) == 5 and 95 not in out.token_ids
+
+
+def test_load_errors(tmp_path, tiny_dir):
+    with pytest.raises(CloverError, match="no such model directory"):
+        clover_lite.load(tmp_path / "nope")
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    with pytest.raises(CloverError, match="expected a model directory"):
+        clover_lite.load(f)
+    with pytest.raises(CloverError, match="dtype"):
+        clover_lite.load(tiny_dir, dtype="float8")
+    if not torch.cuda.is_available():
+        with pytest.raises(CloverError, match="CUDA is not available"):
+            clover_lite.load(tiny_dir, device="cuda")
+
+
+def test_reference_forward_is_engine_model(tiny_engine):
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        logits = tiny_engine.model(ids, block_size=4)
+    assert logits.shape == (1, 6, tiny_engine.config.vocab_size) and logits.dtype == torch.float32
