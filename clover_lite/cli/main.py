@@ -34,6 +34,27 @@ class TextStreamer:
         return "\n" + text
 
 
+def load_with_progress(path, **kwargs):
+    """clover_lite.load with a progress bar on a terminal (stderr) and the loader's notes printed."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from ..engine import load
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        engine = load(path, **kwargs)
+    else:
+        columns = (TextColumn("loading"), BarColumn(), TextColumn("{task.completed}/{task.total} tensors"),
+                   TimeRemainingColumn())
+        with Progress(*columns, console=console, transient=True) as bar:
+            task = bar.add_task("load", total=None)
+            engine = load(path, progress=lambda done, total: bar.update(task, completed=done, total=total), **kwargs)
+    for note in engine.load_report.notes if engine.load_report else []:
+        click.echo(f"note: {note}", err=True)
+    return engine
+
+
 def _fail(e: Exception) -> None:
     click.echo(f"error: {e}", err=True)
     sys.exit(1)
@@ -81,13 +102,12 @@ def _decoding_options(f):
 @click.option("--stats/--no-stats", default=True, show_default=True, help="Print speed statistics to stderr.")
 def run(prompt, model_path, raw, system, device, dtype, stats, **decoding) -> None:
     """Generate a reply to PROMPT ('-' reads it from stdin) and stream it to stdout."""
-    from ..engine import load
     from ..generation import DoneEvent, StepEvent
 
     if prompt == "-":
         prompt = sys.stdin.read()
     try:
-        engine = load(model_path, device=device, dtype=dtype)
+        engine = load_with_progress(model_path, device=device, dtype=dtype)
         use_chat = not raw and engine.tokenizer is not None and engine.tokenizer.has_chat_template
         if use_chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [
