@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from .errors import CheckpointError
 from .models.config import ModelConfig
@@ -39,6 +38,8 @@ class TensorInfo:
     file: Path
     shape: tuple[int, ...]
     dtype: str
+    offset: int = 0  # absolute byte offset of the data in the file
+    nbytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,23 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
                 f"{file}: truncated: tensor '{name}' ends at byte {end} of the data section but the file holds "
                 f"only {data_len}; re-download or re-save the checkpoint"
             )
-        out[name] = TensorInfo(name, file, tuple(meta["shape"]), meta["dtype"])
+        out[name] = TensorInfo(name, file, tuple(meta["shape"]), meta["dtype"], 8 + header_len + start, end - start)
     return out
+
+
+def read_tensor(handle, info: TensorInfo) -> torch.Tensor:
+    """One tensor read with plain file I/O (no mmap: the pages of a 70 GB checkpoint never pile up in the
+    process's resident memory; only this tensor's bytes are held)."""
+    handle.seek(info.offset)
+    buf = bytearray(info.nbytes)
+    if handle.readinto(buf) != info.nbytes:
+        raise CheckpointError(f"tensor '{info.name}' in {info.file}: file ended early; re-download it")
+    dtype = SAFETENSORS_DTYPES.get(info.dtype)
+    if dtype is None:
+        raise CheckpointError(f"tensor '{info.name}' in {info.file} has unsupported dtype {info.dtype}")
+    if info.nbytes == 0:
+        return torch.empty(info.shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -120,7 +136,11 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 # ---- name mapping ------------------------------------------------------------------------------
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(
+    r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|qweight|qzeros|scales|g_idx|bias|nf4_weight|nf4_absmax)$"
+)
+# GPTQ tensors of a quantized linear; g_idx may be absent (then groups are k // group_size).
+QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 
 
 def canonical_name(name: str) -> str | None:
@@ -139,27 +159,36 @@ class Planner:
     def __init__(self, model: Denoiser, config: ModelConfig):
         self.model = model
         self.c = config
-        self.params = dict(model.named_parameters())
-        # Every unit that must be filled, per parameter: plain params are one unit; experts one per
-        # expert and part, so per-expert and fused checkpoints are checked the same way.
+        # Everything a checkpoint fills: parameters and the (integer) GPTQ buffers of quantized modules.
+        self.params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        # Every unit that must be filled, per tensor: plain tensors are one unit; experts one per expert
+        # (and part), so per-expert and fused checkpoints are checked the same way.
         self.units: dict[str, tuple[tuple, ...]] = {}
-        for name in self.params:
+        for name, t in self.params.items():
             if name.endswith("experts.gate_up_proj"):
                 parts = ("gate_proj", "up_proj")
+                self.units[name] = tuple((name, e, p) for e in range(config.num_experts) for p in parts)
             elif name.endswith("experts.down_proj"):
-                parts = ("down_proj",)
+                self.units[name] = tuple((name, e, "down_proj") for e in range(config.num_experts))
+            elif ".experts." in name:  # stacked quantized experts: [E, ...]
+                self.units[name] = tuple((name, e) for e in range(t.shape[0]))
             else:
                 self.units[name] = ((name,),)
-                continue
-            self.units[name] = tuple((name, e, p) for e in range(config.num_experts) for p in parts)
 
     def checkpoint_name(self, unit: tuple) -> str:
         """The per-expert / plain checkpoint name a unit would come from, for error messages."""
         name = unit[0]
-        if len(unit) == 3:
+        if len(unit) == 3:  # float experts
             base = name.rsplit(".", 2)[0]  # layers.N.mlp
             return f"model.{base}.experts.{unit[1]}.{unit[2]}.weight"
+        if len(unit) == 2:  # stacked quantized experts: layers.N.mlp.experts.part.suffix
+            head, part, suffix = name.rsplit(".", 2)
+            return f"model.{head}.{unit[1]}.{part}.{suffix}"
         return name if name.startswith("lm_head") else f"model.{name}"
+
+    def optional(self, unit: tuple) -> bool:
+        """Units a checkpoint may leave out: g_idx of quantized linears (default k // group_size)."""
+        return unit[0].endswith(".g_idx")
 
     def plan(self, name: str, shape: tuple[int, ...]) -> list[Assignment] | None:
         """Assignments for one checkpoint tensor; None if the name is not part of this model."""
@@ -176,10 +205,14 @@ class Planner:
         layer, rest = int(m.group(1)), m.group(2)
         prefix = f"layers.{layer}."
         e = _EXPERT.match(rest)
-        if e and f"{prefix}mlp.experts.gate_up_proj" in self.params:
+        if e and int(e.group(1)) >= c.num_experts:
+            return None
+        if e and f"{prefix}mlp.experts.{e.group(2)}.{e.group(3)}" in self.params:  # stacked quantized
+            dest = f"{prefix}mlp.experts.{e.group(2)}.{e.group(3)}"
+            expert = int(e.group(1))
+            return [Assignment(dest, (expert,), ((dest, expert),), tuple(self.params[dest].shape[1:]))]
+        if e and e.group(3) == "weight" and f"{prefix}mlp.experts.gate_up_proj" in self.params:
             expert, part = int(e.group(1)), e.group(2)
-            if expert >= c.num_experts:
-                return None
             inter, hidden = c.moe_intermediate_size, c.hidden_size
             if part == "down_proj":
                 dest = f"{prefix}mlp.experts.down_proj"
@@ -227,27 +260,126 @@ class Planner:
         ]
 
 
-# ---- loading -----------------------------------------------------------------------------------
-def load_weights(
-    model: Denoiser,
-    path: str | os.PathLike,
-    dtype: torch.dtype,
-    progress: Callable[[int, int], None] | None = None,
-) -> LoadReport:
-    """Fill `model`'s parameters (already materialised on their device) from the checkpoint at `path`."""
-    path = Path(path)
-    files = checkpoint_files(path)
-    planner = Planner(model, model.config)
-    headers: dict[str, TensorInfo] = {}
-    for f in files:
-        for name, info in read_header(f).items():
-            if name in headers:
-                raise CheckpointError(f"tensor '{name}' appears in both {headers[name].file} and {f}")
-            headers[name] = info
+# ---- quantized checkpoints ---------------------------------------------------------------------
+def read_quant_config(path: Path) -> dict | None:
+    """The quantization settings of a checkpoint (quantize_config.json, or config.json's
+    quantization_config); None for a 16-bit checkpoint."""
+    file = path / "quantize_config.json"
+    if file.exists():
+        try:
+            qc = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{file}: not valid JSON ({e})") from e
+    else:
+        try:
+            qc = json.loads((path / "config.json").read_text()).get("quantization_config")
+        except (OSError, json.JSONDecodeError):
+            qc = None
+    if qc is None:
+        return None
+    method = qc.get("quant_method", "gptq")
+    if method == "nf4":
+        return qc
+    if method != "gptq":
+        raise CheckpointError(f"{path}: quantization method '{method}' is not supported (GPTQ INT4 or NF4)")
+    if int(qc.get("bits", 4)) != 4:
+        raise CheckpointError(f"{path}: {qc.get('bits')}-bit GPTQ is not supported; clover-lite runs 4-bit weights")
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise CheckpointError(f"{path}: checkpoint_format '{fmt}' is not supported (gptq or gptq_v2)")
+    return qc
 
+
+def install_quantized_modules(model: Denoiser, canon: dict[str, TensorInfo], qc: dict) -> None:
+    """Swap the float modules that the checkpoint stores quantized (GPTQ `qweight`, NF4 `nf4_weight`)
+    for quantized ones, on the meta device."""
+    from .models.quantized import NF4Linear, QuantLinear, gptq_experts, nf4_experts
+
+    nf4 = qc.get("quant_method") == "nf4"
+    marker = ".nf4_weight" if nf4 else ".qweight"
+    fmt = qc.get("checkpoint_format", "gptq")
+    blocksize = int(qc.get("blocksize", 64))
+    c = model.config
+    expert_layers: dict[str, dict[str, TensorInfo | None]] = {}
+    for name in canon:
+        if not name.endswith(marker):
+            continue
+        path = name[: -len(marker)]
+        m = re.match(r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$", path)
+        if m:
+            expert_layers.setdefault(m.group(1), {})[m.group(3)] = canon.get(f"{path}.scales")
+            continue
+        try:
+            old = model.get_submodule(path)
+        except AttributeError:
+            continue  # reported as an unexpected tensor by the planner
+        if not isinstance(old, torch.nn.Linear):
+            continue
+        bias = f"{path}.bias" in canon
+        if nf4:
+            new = NF4Linear(old.in_features, old.out_features, blocksize, bias=bias)
+        else:
+            scales = canon.get(f"{path}.scales")
+            groups = scales.shape[0] if scales is not None else 1
+            new = QuantLinear(old.in_features, old.out_features, groups, bias=bias, checkpoint_format=fmt)
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent), child, new.to(device="meta"))
+    for mlp_path, parts in expert_layers.items():
+        if set(parts) != {"gate_proj", "up_proj", "down_proj"}:
+            raise CheckpointError(f"{mlp_path}: quantized experts need gate_proj, up_proj and down_proj tensors")
+        E, H, inter = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        if nf4:
+            experts = nf4_experts(E, H, inter, blocksize)
+        else:
+            g_in = parts["gate_proj"].shape[0] if parts["gate_proj"] is not None else 1
+            g_down = parts["down_proj"].shape[0] if parts["down_proj"] is not None else 1
+            experts = gptq_experts(E, H, inter, g_in, g_down, fmt)
+        model.get_submodule(mlp_path).experts = experts.to(device="meta")
+
+
+def _fill_default_g_idx(model: Denoiser, filled: set) -> None:
+    from .models.quantized import QuantLinear
+
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            key = f"{name}.g_idx"
+            if (key,) in filled or any(u[0] == key for u in filled if len(u) == 2):
+                continue
+            K = module.in_features
+            module.g_idx.copy_(torch.arange(K, dtype=torch.int32, device=module.g_idx.device) // (K // module.groups))
+
+
+# ---- loading -----------------------------------------------------------------------------------
+class Checkpoint:
+    """The tensors of a checkpoint directory, known from the file headers alone."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.files = checkpoint_files(self.path)
+        self.headers: dict[str, TensorInfo] = {}
+        for f in self.files:
+            for name, info in read_header(f).items():
+                if name in self.headers:
+                    raise CheckpointError(f"tensor '{name}' appears in both {self.headers[name].file} and {f}")
+                self.headers[name] = info
+        self.quant_config = read_quant_config(self.path)
+
+    def canonical(self) -> dict[str, TensorInfo]:
+        out = {}
+        for name, info in self.headers.items():
+            canon = canonical_name(name)
+            if canon is not None:
+                out[canon] = info
+        return out
+
+
+def plan_checkpoint(model: Denoiser, ckpt: Checkpoint) -> tuple[dict[str, list[Assignment]], list[str], Planner]:
+    """Check every tensor of the checkpoint against the model (names, shapes, dtypes, completeness) and
+    return where each goes. Nothing is read but the headers."""
+    planner = Planner(model, model.config)
     plans: dict[str, list[Assignment]] = {}
     skipped, unexpected = [], []
-    for name, info in headers.items():
+    for name, info in ckpt.headers.items():
         canon = canonical_name(name)
         if canon is None:
             skipped.append(name)
@@ -262,62 +394,99 @@ def load_weights(
                     f"tensor '{name}' in {info.file} has shape {list(info.shape)} but the config expects "
                     f"{list(a.shape)}; check that config.json belongs to these weights"
                 )
-        if info.dtype not in ("F32", "F16", "BF16", "F64"):
-            raise CheckpointError(
-                f"tensor '{name}' in {info.file} has dtype {info.dtype}; expected a float tensor "
-                "(quantized checkpoints are read by the GPTQ loader)"
-            )
+            want_int = not planner.params[a.dest].is_floating_point()
+            is_int = info.dtype in ("I32", "I64", "I16", "I8", "U8")
+            if is_int != want_int or info.dtype not in SAFETENSORS_DTYPES:
+                kind = "an integer (packed GPTQ)" if want_int else "a float"
+                raise CheckpointError(f"tensor '{name}' in {info.file} has dtype {info.dtype}; expected {kind} tensor")
         plans[name] = plan
     if unexpected:
         shown = ", ".join(unexpected[:20]) + (f" and {len(unexpected) - 20} more" if len(unexpected) > 20 else "")
         raise CheckpointError(
-            f"{len(unexpected)} unexpected tensor(s) in {path} that this {model.config.model_type} config has no "
-            f"place for: {shown}. Check that config.json matches the weights."
+            f"{len(unexpected)} unexpected tensor(s) in {ckpt.path} that this {model.config.model_type} config has "
+            f"no place for: {shown}. Check that config.json matches the weights."
         )
     filled = {u for plan in plans.values() for a in plan for u in a.units}
-    missing = [u for units in planner.units.values() for u in units if u not in filled]
+    missing = [u for units in planner.units.values() for u in units if u not in filled and not planner.optional(u)]
     if missing:
         names = [planner.checkpoint_name(u) for u in missing]
         shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
         raise CheckpointError(
-            f"{len(missing)} tensor(s) missing from {path}: {shown}. The checkpoint is incomplete or does not "
-            "match config.json."
+            f"{len(missing)} tensor(s) missing from {ckpt.path}: {shown}. The checkpoint is incomplete or does "
+            "not match config.json."
         )
+    return plans, skipped, planner
 
-    total, done = len(plans), 0
+
+def copy_tensors(
+    model: Denoiser,
+    ckpt: Checkpoint,
+    plans: dict[str, list[Assignment]],
+    only: Callable[[str], bool] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
+    """Read the planned tensors (those whose canonical name passes `only`) into the model, one at a time,
+    cast to each destination's dtype. Destinations are looked up now, so a model whose layers were
+    materialised after planning (the streaming quantizer) gets the real tensors."""
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    todo = [n for n in plans if only is None or only(canonical_name(n))]
+    total, done = len(todo), 0
     with torch.no_grad():
-        for f in files:
-            names = [n for n, i in headers.items() if i.file == f and n in plans]
-            try:
-                handle = safe_open(str(f), framework="pt", device="cpu")
-            except Exception as e:  # safetensors raises its own error types
-                raise CheckpointError(f"{f}: cannot be opened as safetensors ({e}); re-download it") from e
-            for name in names:
-                try:
-                    tensor = handle.get_tensor(name)
-                except Exception as e:
-                    raise CheckpointError(f"tensor '{name}' in {f} cannot be read ({e}); re-download the file") from e
-                for a in plans[name]:
-                    src = a.transform(tensor) if a.transform else tensor
-                    dest = planner.params[a.dest]
-                    target = dest if a.index is None else dest[a.index]
-                    target.copy_(src.to(dtype))
-                done += 1
-                if progress:
-                    progress(done, total)
+        for f in ckpt.files:
+            names = [n for n in todo if ckpt.headers[n].file == f]
+            if not names:
+                continue
+            with open(f, "rb") as handle:
+                for name in sorted(names, key=lambda n: ckpt.headers[n].offset):  # sequential reads
+                    tensor = read_tensor(handle, ckpt.headers[name])
+                    for a in plans[name]:
+                        src = a.transform(tensor) if a.transform else tensor
+                        dest = tensors[a.dest]
+                        target = dest if a.index is None else dest[a.index]
+                        target.copy_(src.to(dest.dtype))
+                    del tensor
+                    done += 1
+                    if progress:
+                        progress(done, total)
+    return done
+
+
+def load_weights(
+    model: Denoiser,
+    ckpt: Checkpoint,
+    progress: Callable[[int, int], None] | None = None,
+) -> LoadReport:
+    """Fill `model`'s tensors (already materialised on their device) from the checkpoint."""
+    plans, skipped, _ = plan_checkpoint(model, ckpt)
+    total = copy_tensors(model, ckpt, plans, progress=progress)
+    filled = {u for plan in plans.values() for a in plan for u in a.units}
+    _fill_default_g_idx(model, filled)
     notes = []
     if skipped:
         kinds = sorted({n.split(".")[0] if n.startswith("mtp.") else "vision" for n in skipped})
         notes.append(f"skipped {len(skipped)} tensor(s) not used by the text denoiser ({', '.join(kinds)})")
-    return LoadReport(files=files, tensors=total, skipped=skipped, notes=notes)
+    return LoadReport(files=ckpt.files, tensors=total, skipped=skipped, notes=notes)
 
 
-def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> Denoiser:
-    """An uninitialised Denoiser with parameters allocated (not initialised) on `device` in `dtype`."""
+def build_model(
+    config: ModelConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    ckpt: Checkpoint | None = None,
+    materialize: bool = True,
+) -> Denoiser:
+    """A Denoiser with tensors allocated (not initialised) on `device`: floats in `dtype`, modules that the
+    checkpoint stores as GPTQ tensors swapped for quantized ones (their scales stay fp16)."""
     with torch.device("meta"):
         model = Denoiser(config)
     model = model.to(dtype=dtype)
-    return model.to_empty(device=device)
+    if ckpt is not None and ckpt.quant_config is not None:
+        install_quantized_modules(model, ckpt.canonical(), ckpt.quant_config)
+        for module in model.modules():  # quantized modules' float parameters (biases) in the model dtype
+            for name, p in list(module.named_parameters(recurse=False)):
+                if p.dtype != dtype:
+                    setattr(module, name, torch.nn.Parameter(p.to(dtype), requires_grad=False))
+    return model.to_empty(device=device) if materialize else model
 
 
 def load_model(
@@ -327,7 +496,8 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[Denoiser, LoadReport]:
-    model = build_model(config, device, dtype)
-    report = load_weights(model, path, dtype, progress)
+    ckpt = Checkpoint(path)
+    model = build_model(config, device, dtype, ckpt)
+    report = load_weights(model, ckpt, progress)
     model.eval()
     return model, report

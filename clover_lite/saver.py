@@ -21,28 +21,37 @@ from .errors import CloverError
 from .models.denoiser import Denoiser
 
 
-def checkpoint_tensors(model: Denoiser, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor) pairs in the `model.layers.N.` naming."""
-    for name, p in model.named_parameters():
+def checkpoint_tensors(
+    module: torch.nn.Module, dtype: torch.dtype | None = None, prefix: str = ""
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) pairs of a Denoiser (or of one of its layers, named under `prefix`, e.g.
+    "layers.3.") in the `model.layers.N.` naming. Float tensors are cast to `dtype`; the integer and
+    fp16 GPTQ tensors of quantized modules are written as they are. Experts are written per expert."""
+    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    for local, p in tensors:
+        name = prefix + local
         t = p.detach().to("cpu")
-        if dtype is not None:
+        quant = local.rsplit(".", 1)[-1] in ("qweight", "qzeros", "scales", "g_idx", "nf4_weight", "nf4_absmax")
+        if dtype is not None and t.is_floating_point() and not quant:
             t = t.to(dtype)
         if name.startswith("lm_head."):
             yield name, t.contiguous()
-            continue
-        if name.endswith("experts.gate_up_proj"):
+        elif name.endswith("experts.gate_up_proj"):
             base = name[: -len("gate_up_proj")]
             inter = t.shape[1] // 2
             for e in range(t.shape[0]):
                 yield f"model.{base}{e}.gate_proj.weight", t[e, :inter].contiguous()
                 yield f"model.{base}{e}.up_proj.weight", t[e, inter:].contiguous()
-            continue
-        if name.endswith("experts.down_proj"):
+        elif name.endswith("experts.down_proj"):
             base = name[: -len("down_proj")]
             for e in range(t.shape[0]):
                 yield f"model.{base}{e}.down_proj.weight", t[e].contiguous()
-            continue
-        yield f"model.{name}", t.contiguous()
+        elif ".experts." in name:  # stacked quantized experts: experts.<part>.<tensor> [E, ...]
+            head, part, suffix = name.rsplit(".", 2)
+            for e in range(t.shape[0]):
+                yield f"model.{head}.{e}.{part}.{suffix}", t[e].contiguous()
+        else:
+            yield f"model.{name}", t.contiguous()
 
 
 def atomic_directory(out: Path, force: bool = False) -> tuple[Path, Callable[[], None]]:

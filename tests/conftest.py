@@ -6,10 +6,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# With pytest-xdist each worker gets one core: OpenMP threads spinning against each other on a 2-core
-# machine make the suite several times slower.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)
+# One thread per test process: on a 2-core machine (two xdist workers, or anything else running) OpenMP
+# threads spin-waiting for a busy core make small ops 10-100x slower.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

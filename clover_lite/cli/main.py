@@ -233,5 +233,14 @@ def tiny(out, seed, block_size, force) -> None:
     click.echo(f"wrote a tiny random clover_moe model to {path} (random weights: the text it writes is noise)")
 
 
+def _register() -> None:
+    from .quantize import eval_cmd, quantize
+
+    main.add_command(quantize)
+    main.add_command(eval_cmd)
+
+
+_register()
+
 if __name__ == "__main__":
     main()

@@ -83,8 +83,9 @@ class Denoiser(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head on the given hidden states -> fp32 logits."""
         h = self.norm(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(h, weight).float()
+        if self.lm_head is None:
+            return torch.nn.functional.linear(h, self.embed_tokens.weight).float()
+        return self.lm_head(h).float()
 
     def _run(
         self,
@@ -117,7 +118,7 @@ class Denoiser(nn.Module):
         for i, layer in enumerate(self.layers):
             past_kv = cache.kv(i) if cache is not None and layer.kind == "full_attention" else None
             if layer.kind == "linear_attention":
-                gdn_state = cache.gdn_state(i) if cache is not None else self._zero_gdn_state(b, x)
+                gdn_state = cache.gdn_state(i) if cache is not None else self.zero_gdn_state(b, x)
             else:
                 gdn_state = None
             if skip_last_mlp and i == last:
@@ -128,7 +129,7 @@ class Denoiser(nn.Module):
             updates.append(update)
         return x, updates
 
-    def _zero_gdn_state(self, batch: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def zero_gdn_state(self, batch: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         recurrent = torch.zeros(
             batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,

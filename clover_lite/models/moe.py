@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,24 +36,39 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
+    def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(h, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[e])
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Reference path: loop over the experts that received tokens. x [T, hidden]."""
-        out = torch.zeros_like(x)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        token_of = order // ids.shape[1]
-        w_of = weights.reshape(-1)[order]
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            tok = token_of[start : start + n]
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w_of[start : start + n, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-            start += n
-        return out
+        return dispatch(x, weights, ids, self.gate_up_proj.shape[0], self.expert)
+
+
+def dispatch(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Reference MoE combine: group the (token, k) pairs by expert, run each expert that received tokens
+    once on its rows (`expert(e, rows)`), and sum the outputs weighted by the routing weights.
+    x [T, hidden], weights / ids [T, k]."""
+    out = torch.zeros_like(x)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    token_of = order // ids.shape[1]
+    w_of = weights.reshape(-1)[order]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok = token_of[start : start + n]
+        y = expert(e, x[tok]) * w_of[start : start + n, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+        start += n
+    return out
 
 
 class SparseMoE(nn.Module):

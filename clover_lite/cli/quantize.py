@@ -1,0 +1,127 @@
+"""`clover quantize` and `clover eval`."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from ..errors import CloverError
+
+
+def _fail(e: Exception) -> None:
+    click.echo(f"error: {e}", err=True)
+    sys.exit(1)
+
+
+@click.command()
+@click.argument("src", type=click.Path())
+@click.argument("out", type=click.Path())
+@click.option("--method", type=click.Choice(["gptq", "rtn", "nf4"]), default="gptq", show_default=True,
+              help="gptq (calibrated), rtn (round-to-nearest), nf4 (bitsandbytes baseline, no calibration).")
+@click.option("--group-size", type=int, default=128, show_default=True,
+              help="Input channels per group; -1: per-channel.")
+@click.option("--asym", is_flag=True, help="Asymmetric zeros (default: symmetric).")
+@click.option("--no-act-order", is_flag=True, help="Quantize columns in their natural order.")
+@click.option("--no-static-groups", is_flag=True, help="Group parameters found during GPTQ (changes g_idx).")
+@click.option("--damp-percent", type=float, default=0.01, show_default=True)
+@click.option("--format", "checkpoint_format", type=click.Choice(["gptq", "gptq_v2"]), default="gptq",
+              show_default=True, help="gptq (v1): zero stored minus one, what most loaders expect; gptq_v2: true zero.")
+@click.option("--quantize-lm-head", is_flag=True, help="Quantize lm_head too (default: keep it 16-bit).")
+@click.option("--calib", type=click.Path(), default=None,
+              help="Calibration text (plain text or JSONL); default: the Python standard library's sources.")
+@click.option("--calibration", type=click.Choice(["diffusion", "clean"]), default="diffusion", show_default=True,
+              help="diffusion: last block of each sample masked at 0.1..1.0, as the denoiser sees it.")
+@click.option("--moe-calibration", type=click.Choice(["all", "routed"]), default="all", show_default=True,
+              help="all: every token through every expert for the Hessians; routed: only routed tokens.")
+@click.option("--min-expert-samples", type=int, default=16, show_default=True,
+              help="Experts with fewer calibration samples fall back to RTN (reported).")
+@click.option("--nsamples", type=int, default=128, show_default=True)
+@click.option("--seqlen", type=int, default=512, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="Where the math runs (cuda when there is a GPU).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer.")
+def quantize(src, out, method, group_size, asym, no_act_order, no_static_groups, damp_percent, checkpoint_format,
+             quantize_lm_head, calib, calibration, moe_calibration, min_expert_samples, nsamples, seqlen, seed,
+             device, force, resume) -> None:
+    """Quantize the 16-bit checkpoint SRC to INT4 (GPTQ format) in OUT, one layer at a time."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.table import Table
+
+    from ..quant.pipeline import QuantizeOptions, quantize_model
+
+    options = QuantizeOptions(
+        method=method, group_size=group_size, sym=not asym, act_order=not no_act_order,
+        static_groups=not no_static_groups, damp_percent=damp_percent, checkpoint_format=checkpoint_format,
+        quantize_lm_head=quantize_lm_head, nsamples=nsamples, seqlen=seqlen, seed=seed, calib=calib,
+        calibration=calibration, moe_calibration=moe_calibration, min_expert_samples=min_expert_samples,
+        device=device,
+    )
+    console = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("layers"),
+               TimeRemainingColumn())
+    try:
+        with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
+            task = bar.add_task("quantizing", total=None)
+
+            def on_layer(i: int, n: int, info: dict) -> None:
+                bar.update(task, completed=i + 1, total=n, description=f"layer {i + 1}/{n} ({info['kind']})")
+                if not console.is_terminal:
+                    errs = ", ".join(f"{k} {v:.4f}" for k, v in info["errors"].items())
+                    click.echo(f"layer {i + 1}/{n} {info['kind']}: {info['seconds']:.1f} s"
+                               + (f", relative error {errs}" if errs else ""), err=True)
+
+            report = quantize_model(src, out, options, force=force, resume=resume, on_layer=on_layer)
+    except KeyboardInterrupt:
+        click.echo(f"\ninterrupted: rerun the same command with --resume to continue ({out} was not written)",
+                   err=True)
+        sys.exit(130)
+    except CloverError as e:
+        _fail(e)
+    table = Table(title=f"{method} -> {report.out}", show_header=False)
+    table.add_row("time", f"{report.seconds:.1f} s")
+    table.add_row("size", f"{report.bytes_before / 2**20:.1f} MiB -> {report.bytes_after / 2**20:.1f} MiB "
+                          f"({report.bytes_before / max(report.bytes_after, 1):.2f}x smaller)")
+    for kind, err in sorted(report.error_by_kind.items()):
+        table.add_row(f"rel. output error: {kind}", f"{err:.4f}")
+    fb = report.fallback_experts
+    table.add_row("experts on RTN fallback", ", ".join(fb[:10]) + (f" and {len(fb) - 10} more" if len(fb) > 10 else "")
+                  if fb else "none")
+    Console().print(table)
+
+
+@click.command("eval")
+@click.argument("model", type=click.Path())
+@click.option("--against", "reference", type=click.Path(), default=None, help="The 16-bit reference model.")
+@click.option("--text", type=click.Path(), default=None,
+              help="Held-out text (plain or JSONL); default: standard-library files never used for calibration.")
+@click.option("--nsamples", type=int, default=64, show_default=True)
+@click.option("--seqlen", type=int, default=256, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", default="auto", show_default=True)
+def eval_cmd(model, reference, text, nsamples, seqlen, seed, device) -> None:
+    """Masked-token NLL of MODEL (and KL against --against) on held-out text, block-diffusion style."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..engine import load
+    from ..quant.eval import evaluate
+
+    try:
+        t = time.perf_counter()
+        engine = load(model, device=device)
+        ref = load(reference, device=device) if reference else None
+        result = evaluate(engine, ref, text, nsamples=nsamples, seqlen=seqlen, seed=seed)
+    except CloverError as e:
+        _fail(e)
+    table = Table(title=f"{model}" + (f" vs {reference}" if reference else ""))
+    for col in ("masked-token NLL", "reference NLL", "KL(ref || model)", "top-1 agreement", "positions"):
+        table.add_column(col)
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)
+    table.add_row(fmt(result.nll, ".4f"), fmt(result.ref_nll, ".4f"), fmt(result.kl, ".5f"),
+                  fmt(result.top1_agreement, ".3f"), str(result.positions))
+    Console().print(table)
+    click.echo(f"({time.perf_counter() - t:.1f} s)", err=True)

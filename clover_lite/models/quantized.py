@@ -1,0 +1,121 @@
+"""Runtime modules holding GPTQ INT4 weights, with a PyTorch reference matmul (dequantize, then matmul).
+
+`QuantLinear` (GPTQ) and `NF4Linear` (the bitsandbytes baseline) replace an nn.Linear; `QuantExperts`
+replaces the fused float experts of an MoE layer with per-part stacks (gate / up / down, each
+[experts, ...]). The Triton kernels plug in behind `forward`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..quant.nf4 import dequantize_nf4
+from ..quant.pack import PACK, dequantize, zero_offset
+from .moe import dispatch
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W held as GPTQ tensors exactly as the checkpoint stores them."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        groups: int,
+        bias: bool = False,
+        checkpoint_format: str = "gptq",
+        stack: int | None = None,
+    ):
+        super().__init__()
+        if in_features % PACK or out_features % PACK:
+            raise ValueError(
+                f"INT4 GPTQ needs in and out features divisible by {PACK}, got {in_features} x {out_features}"
+            )
+        zero_offset(checkpoint_format)  # validates the name
+        self.in_features, self.out_features, self.groups = in_features, out_features, groups
+        self.checkpoint_format = checkpoint_format
+        lead = () if stack is None else (stack,)
+        self.register_buffer("qweight", torch.zeros(*lead, in_features // PACK, out_features, dtype=torch.int32))
+        self.register_buffer("qzeros", torch.zeros(*lead, groups, out_features // PACK, dtype=torch.int32))
+        self.register_buffer("scales", torch.zeros(*lead, groups, out_features, dtype=torch.float16))
+        self.register_buffer("g_idx", torch.zeros(*lead, in_features, dtype=torch.int32))
+        self.bias = nn.Parameter(torch.zeros(*lead, out_features)) if bias else None
+
+    def weight_of(self, index: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dequantized W [out, in] (of stack entry `index` for stacked experts)."""
+        t = (self.qweight, self.qzeros, self.scales, self.g_idx)
+        if index is not None:
+            t = tuple(x[index] for x in t)
+        return dequantize(*t, checkpoint_format=self.checkpoint_format, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight_of(dtype=x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, groups={self.groups}, {self.checkpoint_format}"
+
+
+class NF4Linear(nn.Module):
+    """y = x W^T with W in bitsandbytes' NF4 layout: 4-bit codes of the NF4 table, two per byte (high nibble
+    first) over the row-major weight, one fp32 absmax per block of `blocksize` values. The baseline of
+    `clover quantize --method nf4`; dequantized here in plain PyTorch, so bitsandbytes is not needed to run."""
+
+    def __init__(self, in_features: int, out_features: int, blocksize: int = 64, stack: int | None = None,
+                 bias: bool = False):
+        super().__init__()
+        numel = in_features * out_features
+        if numel % blocksize or blocksize % 2:
+            raise ValueError(f"NF4 blocksize {blocksize} must be even and divide {out_features} x {in_features}")
+        self.in_features, self.out_features, self.blocksize = in_features, out_features, blocksize
+        lead = () if stack is None else (stack,)
+        self.register_buffer("nf4_weight", torch.zeros(*lead, numel // 2, dtype=torch.uint8))
+        self.register_buffer("nf4_absmax", torch.zeros(*lead, numel // blocksize, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(*lead, out_features)) if bias else None
+
+    def weight_of(self, index: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        packed, absmax = self.nf4_weight, self.nf4_absmax
+        if index is not None:
+            packed, absmax = packed[index], absmax[index]
+        return dequantize_nf4(packed, absmax, (self.out_features, self.in_features), self.blocksize, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight_of(dtype=x.dtype), self.bias)
+
+
+class QuantExperts(nn.Module):
+    """All experts of a layer as stacked quantized linears gate_proj / up_proj / down_proj, each [E, ...];
+    `make(in_features, out_features, stack)` builds one stack (GPTQ or NF4)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int,
+                 make: Callable[[int, int, int], nn.Module]):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_proj = make(hidden, intermediate, num_experts)
+        self.up_proj = make(hidden, intermediate, num_experts)
+        self.down_proj = make(intermediate, hidden, num_experts)
+
+    def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        gate = F.linear(h, self.gate_proj.weight_of(e, h.dtype))
+        up = F.linear(h, self.up_proj.weight_of(e, h.dtype))
+        return F.linear(F.silu(gate) * up, self.down_proj.weight_of(e, h.dtype))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Reference path: each expert that received tokens is dequantized and run once."""
+        return dispatch(x, weights, ids, self.num_experts, self.expert)
+
+
+def gptq_experts(num_experts: int, hidden: int, intermediate: int, groups_in: int, groups_down: int,
+                 checkpoint_format: str = "gptq") -> QuantExperts:
+    def make(k: int, n: int, stack: int) -> QuantLinear:
+        return QuantLinear(k, n, groups_in if k == hidden else groups_down, checkpoint_format=checkpoint_format,
+                           stack=stack)
+
+    return QuantExperts(num_experts, hidden, intermediate, make)
+
+
+def nf4_experts(num_experts: int, hidden: int, intermediate: int, blocksize: int = 64) -> QuantExperts:
+    return QuantExperts(num_experts, hidden, intermediate, lambda k, n, stack: NF4Linear(k, n, blocksize, stack))

@@ -1,0 +1,148 @@
+"""Calibration sequences for quantization, shaped the way the denoiser sees its inputs.
+
+Text comes from a file the user gives (plain text, or JSONL with a "text" field or chat "messages") or,
+by default, from text present on every machine with Python: the standard library's sources. Windows of
+`seqlen` tokens are drawn with a seed; in `diffusion` mode the last block of each window is masked at a
+ratio spread over 0.1..1.0, as a denoising step sees it (blocks before it stay clean).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sysconfig
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from ..errors import CloverError
+from ..tokenizer import Tokenizer
+
+MODES = ("diffusion", "clean")
+
+
+HELDOUT_EVERY = 10  # every 10th standard-library file is held out for evaluation, never calibrated on
+
+
+SKIPPED_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
+
+
+def _stdlib_files() -> list[Path]:
+    """The standard library's own sources: installed packages (site-packages) and test suites excluded."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if not SKIPPED_DIRS.intersection(p.relative_to(root).parts))
+    if not files:
+        raise CloverError(f"no Python sources found under {root} for the default text; pass a text file")
+    return files
+
+
+def _read(files: list[Path]) -> Iterator[str]:
+    for f in files:
+        try:
+            yield f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+
+
+def _read_until(files: list[Path], limit_bytes: int) -> list[str]:
+    texts, total = [], 0
+    for t in _read(files):
+        texts.append(t)
+        total += len(t)
+        if total >= limit_bytes:
+            break
+    return texts
+
+
+def stdlib_texts(seed: int = 0) -> Iterator[str]:
+    """Python sources of the standard library (tests and held-out files excluded) in a seeded order, read
+    lazily: calibration stops reading once it has enough tokens."""
+    files = [f for i, f in enumerate(_stdlib_files()) if i % HELDOUT_EVERY != 0]
+    random.Random(seed).shuffle(files)
+    return _read(files)
+
+
+def heldout_texts(limit_bytes: int = 1_000_000) -> list[str]:
+    """The standard-library files `stdlib_texts` never returns, for evaluation."""
+    return _read_until(_stdlib_files()[::HELDOUT_EVERY], limit_bytes)
+
+
+def read_calibration_file(path: str | os.PathLike) -> list[str]:
+    """Plain text (one document) or JSONL (one document per line: "text", or "messages" joined)."""
+    p = Path(path)
+    if not p.exists():
+        raise CloverError(f"{p}: calibration file not found")
+    raw = p.read_text(encoding="utf-8", errors="replace")
+    if p.suffix.lower() not in (".jsonl", ".ndjson"):
+        if not raw.strip():
+            raise CloverError(f"{p}: calibration file is empty")
+        return [raw]
+    texts = []
+    for n, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CloverError(f"{p}:{n}: not valid JSON ({e})") from e
+        if isinstance(obj, str):
+            texts.append(obj)
+        elif isinstance(obj, dict) and isinstance(obj.get("text"), str):
+            texts.append(obj["text"])
+        elif isinstance(obj, dict) and isinstance(obj.get("messages"), list):
+            texts.append("\n".join(str(m.get("content", "")) for m in obj["messages"] if isinstance(m, dict)))
+        else:
+            raise CloverError(f'{p}:{n}: expected a string or an object with "text" or "messages"')
+    if not texts:
+        raise CloverError(f"{p}: no documents in calibration file")
+    return texts
+
+
+def token_stream(tokenizer: Tokenizer, texts: Iterable[str], separator: int | None, max_tokens: int | None = None
+                 ) -> list[int]:
+    """The texts tokenized back to back (separated by `separator`), stopping once `max_tokens` are in."""
+    ids: list[int] = []
+    for t in texts:
+        ids += tokenizer.encode(t)
+        if separator is not None:
+            ids.append(separator)
+        if max_tokens is not None and len(ids) >= max_tokens:
+            break
+    return ids
+
+
+def calibration_ids(
+    stream: list[int],
+    nsamples: int,
+    seqlen: int,
+    seed: int,
+    mode: str = "diffusion",
+    block_size: int = 4,
+    mask_token_id: int | None = None,
+) -> torch.Tensor:
+    """[nsamples, seqlen] windows of the token stream; in diffusion mode the last block of each window is
+    masked at a ratio from 0.1 to 1.0 (spread evenly over the samples, in a seeded order)."""
+    if mode not in MODES:
+        raise CloverError(f"calibration mode must be one of {MODES}, got '{mode}'")
+    if len(stream) < seqlen + 1:
+        raise CloverError(
+            f"calibration text has {len(stream)} tokens, fewer than one window of {seqlen}; give more text or "
+            "a smaller --seqlen"
+        )
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.tensor(stream, dtype=torch.long)
+    starts = torch.randint(0, len(stream) - seqlen, (nsamples,), generator=gen)
+    ids = torch.stack([data[s : s + seqlen] for s in starts.tolist()])
+    if mode == "diffusion":
+        if mask_token_id is None:
+            raise CloverError("diffusion-aware calibration needs the model's mask token; use --calibration clean")
+        last = (seqlen - 1) // block_size * block_size  # the last block of the grid
+        span = seqlen - last
+        ratios = torch.linspace(0.1, 1.0, nsamples)[torch.randperm(nsamples, generator=gen)]
+        for i in range(nsamples):
+            n_mask = max(1, round(float(ratios[i]) * span))
+            pos = last + torch.randperm(span, generator=gen)[:n_mask]
+            ids[i, pos] = mask_token_id
+    return ids

@@ -1,0 +1,550 @@
+"""`clover quantize`: stream a 16-bit checkpoint into an INT4 GPTQ one, one decoder layer at a time.
+
+For each layer: read its tensors from the source, run the calibration activations through it collecting
+input Hessians, quantize its linears (GPTQ or RTN), write its packed tensors to their own shard, run the
+activations through the *quantized* layer (so later layers calibrate against quantized inputs), free it.
+Peak host memory is about one layer plus the activations, whatever the depth.
+
+Everything is written to `.OUT.partial` next to OUT and renamed into place at the end; the partial
+directory keeps the finished layers' shards and the activations after them, so `resume=True` continues
+from the last finished layer and produces byte-identical output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..errors import CloverError
+from ..loader import Checkpoint, build_model, canonical_name, copy_tensors, plan_checkpoint, read_header
+from ..models.config import ModelConfig, load_config
+from ..models.denoiser import Denoiser, block_causal_mask
+from ..models.moe import SparseMoE
+from ..models.quantized import NF4Linear, QuantLinear, gptq_experts, nf4_experts
+from ..saver import checkpoint_tensors
+from ..tokenizer import Tokenizer
+from .calibration import calibration_ids, read_calibration_file, stdlib_texts, token_stream
+from .gptq import HessianAccumulator, gptq_quantize, weighted_error
+from .nf4 import quantize_nf4
+from .pack import PACK
+from .rtn import QuantizedWeight, QuantSpec, quantize_rtn
+
+METHODS = ("gptq", "rtn", "nf4")
+COPIED_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "chat_template.jinja",
+                "special_tokens_map.json", "generation_config.json", "added_tokens.json", "vocab.json", "merges.txt")
+SAFETENSORS_TO_TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+class QuantizationError(CloverError):
+    """Quantization cannot go on (non-finite weights or activations, impossible settings)."""
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    method: str = "gptq"  # gptq | rtn | nf4 (bitsandbytes NF4, no calibration: the baseline)
+    group_size: int = 128  # -1: per-channel
+    sym: bool = True
+    act_order: bool = True
+    static_groups: bool = True
+    damp_percent: float = 0.01
+    checkpoint_format: str = "gptq"  # gptq (v1) | gptq_v2
+    quantize_lm_head: bool = False
+    nsamples: int = 128
+    seqlen: int = 512
+    seed: int = 0
+    calib: str | None = None  # text / JSONL file; None: the standard library's sources
+    calibration: str = "diffusion"  # diffusion | clean
+    moe_calibration: str = "all"  # all: every token through every expert for statistics | routed
+    min_expert_samples: int = 16
+    block_size: int | None = None  # calibration block size (default: the model's)
+    batch_size: int = 8  # calibration samples per forward
+    expert_chunk: int = 16  # experts quantized together (bounds the temporaries)
+    device: str = "cpu"
+    nf4_blocksize: int = 64
+
+    @property
+    def spec(self) -> QuantSpec:
+        return QuantSpec(self.group_size, self.sym, self.checkpoint_format)
+
+    def fingerprint(self) -> str:
+        """What must match for a resumed run to produce the same output (device and batch do not change it
+        in principle, but a resumed run must reproduce the same bytes, so they count)."""
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class QuantizeReport:
+    out: Path
+    seconds: float
+    bytes_before: int
+    bytes_after: int
+    error_by_kind: dict[str, float]
+    fallback_experts: list[str]
+    layers: list[dict] = field(default_factory=list)
+
+
+# ---- what to quantize in a layer ----------------------------------------------------------------
+def layer_targets(layer: torch.nn.Module) -> list[tuple[str, str, str]]:
+    """(module name, kind, input group) for every linear to quantize; linears of one input group see the
+    same input, so they share one Hessian. Router gates, GDN's tiny b/a projections and the shared
+    expert's scalar gate stay in 16-bit."""
+    t = []
+    if hasattr(layer, "self_attn"):
+        t += [(f"self_attn.{n}", "attention", "attn_in") for n in ("q_proj", "k_proj", "v_proj")]
+        t += [("self_attn.o_proj", "attention", "attn_out")]
+    else:
+        t += [(f"linear_attn.{n}", "gdn", "gdn_in") for n in ("in_proj_qkv", "in_proj_z")]
+        t += [("linear_attn.out_proj", "gdn", "gdn_out")]
+    if isinstance(layer.mlp, SparseMoE):
+        if layer.mlp.shared_expert is not None:
+            t += [(f"mlp.shared_expert.{n}", "shared_expert", "mlp_in") for n in ("gate_proj", "up_proj")]
+            t += [("mlp.shared_expert.down_proj", "shared_expert", "shared_down")]
+    else:
+        t += [(f"mlp.{n}", "dense", "mlp_in") for n in ("gate_proj", "up_proj")]
+        t += [("mlp.down_proj", "dense", "dense_down")]
+    return t
+
+
+def check_shapes(model: Denoiser, options: QuantizeOptions) -> None:
+    """Fail before any work if a linear cannot be packed with these settings."""
+    c = model.config
+    shapes = {}
+    for i, layer in enumerate(model.layers):
+        for name, _, _ in layer_targets(layer):
+            lin = layer.get_submodule(name)
+            shapes[f"layers.{i}.{name}"] = (lin.out_features, lin.in_features)
+        if isinstance(layer.mlp, SparseMoE):
+            shapes[f"layers.{i}.mlp.experts.*.gate_proj"] = (c.moe_intermediate_size, c.hidden_size)
+            shapes[f"layers.{i}.mlp.experts.*.down_proj"] = (c.hidden_size, c.moe_intermediate_size)
+    if options.quantize_lm_head:
+        shapes["lm_head"] = (c.vocab_size, c.hidden_size)
+    for name, (n, k) in shapes.items():
+        if k % PACK or n % PACK:
+            raise QuantizationError(f"{name} is {n} x {k}: INT4 GPTQ packing needs both divisible by {PACK}")
+        if options.group_size != -1 and k % options.group_size:
+            raise QuantizationError(
+                f"{name} has {k} input features, not a multiple of group size {options.group_size}; "
+                "choose a group size that divides it or -1 (per-channel)"
+            )
+
+
+# ---- statistics -----------------------------------------------------------------------------------
+class LayerStats:
+    """Input Hessians of a layer's linears (per input group) and, for MoE, of every expert."""
+
+    def __init__(self, layer: torch.nn.Module, options: QuantizeOptions, device: torch.device):
+        self.layer, self.options, self.device = layer, options, device
+        self.groups: dict[str, HessianAccumulator] = {}
+        self.handles = []
+        first = {}
+        for name, _, group in layer_targets(layer):
+            first.setdefault(group, name)
+        for group, name in first.items():
+            mod = layer.get_submodule(name)
+            self.groups[group] = HessianAccumulator(mod.in_features, device)
+            self.handles.append(mod.register_forward_pre_hook(self._hook(group)))
+        self.experts_in: list[HessianAccumulator] = []
+        self.experts_down: list[HessianAccumulator] = []
+        self.routed = None
+        if isinstance(layer.mlp, SparseMoE):
+            self.handles.append(layer.mlp.register_forward_pre_hook(self._moe_hook))
+
+    def _hook(self, group: str):
+        def hook(module, args):
+            self.groups[group].add(args[0])
+
+        return hook
+
+    def _moe_hook(self, module: SparseMoE, args) -> None:
+        x = args[0].reshape(-1, args[0].shape[-1])
+        experts = module.experts
+        E, inter = experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[1] // 2
+        if not self.experts_down:
+            per_expert_in = self.options.moe_calibration == "routed"
+            self.experts_in = [HessianAccumulator(x.shape[1], self.device) for _ in range(E if per_expert_in else 1)]
+            self.experts_down = [HessianAccumulator(inter, self.device) for _ in range(E)]
+            self.routed = torch.zeros(E, dtype=torch.long)
+        _, ids = module.gate(x)
+        self.routed += torch.bincount(ids.reshape(-1).cpu(), minlength=E)
+        if self.options.moe_calibration == "all":
+            self.experts_in[0].add(x)  # every expert sees every token: one shared Hessian
+        for e in range(E):
+            if self.options.moe_calibration == "routed":
+                rows = (ids == e).any(-1)
+                xe = x[rows]
+                self.experts_in[e].add(xe)
+            else:
+                xe = x
+            gate, up = F.linear(xe, experts.gate_up_proj[e]).chunk(2, dim=-1)
+            self.experts_down[e].add(F.silu(gate) * up)
+
+    def expert_in(self, e: int) -> HessianAccumulator:
+        return self.experts_in[e] if len(self.experts_in) > 1 else self.experts_in[0]
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+# ---- quantizing -----------------------------------------------------------------------------------
+def quantize_weight(w: torch.Tensor, H: torch.Tensor, options: QuantizeOptions) -> QuantizedWeight:
+    """One linear [N, K] or a batch of them [E, N, K] (H [K, K] shared or [E, K, K])."""
+    if options.method == "gptq":
+        return gptq_quantize(w, H, options.spec, options.damp_percent, options.act_order, options.static_groups)
+    return quantize_rtn(w, options.spec)
+
+
+def quant_linear(qw: QuantizedWeight, options: QuantizeOptions, device: torch.device) -> QuantLinear:
+    packed = qw.pack(options.checkpoint_format)
+    N, K = qw.q.shape
+    mod = QuantLinear(K, N, packed["scales"].shape[0], checkpoint_format=options.checkpoint_format).to(device)
+    for k, v in packed.items():
+        getattr(mod, k).copy_(v)
+    return mod
+
+
+def quantize_layer(layer: torch.nn.Module, stats: LayerStats, options: QuantizeOptions, index: int,
+                   device: torch.device) -> tuple[dict, list[str]]:
+    """Swap the layer's linears for quantized ones in place; returns (mean relative output error per kind,
+    experts that fell back to RTN)."""
+    errors: dict[str, list[float]] = {}
+    for name, kind, group in layer_targets(layer):
+        lin = layer.get_submodule(name)
+        H = stats.groups[group].H
+        w = lin.weight.data.float()
+        qw = quantize_weight(w, H, options)
+        errors.setdefault(kind, []).append(float(weighted_error(w, qw.dequantize(), H)))
+        parent, _, child = name.rpartition(".")
+        setattr(layer.get_submodule(parent), child, quant_linear(qw, options, device))
+    fallbacks = []
+    if isinstance(layer.mlp, SparseMoE):
+        ex = layer.mlp.experts
+        E, inter, hidden = ex.gate_up_proj.shape[0], ex.gate_up_proj.shape[1] // 2, ex.gate_up_proj.shape[2]
+        starved = [e for e in range(E) if stats.expert_in(e).n < options.min_expert_samples]
+        fallbacks = [f"layers.{index}.mlp.experts.{e}" for e in starved]
+        H_in = torch.stack([h.H for h in stats.experts_in])  # [E or 1, hidden, hidden]
+        H_down = torch.stack([h.H for h in stats.experts_down])
+        spec = options.spec
+        q = gptq_experts(E, hidden, inter, spec.groups(hidden), spec.groups(inter), options.checkpoint_format)
+        q = q.to(device)
+        weights = {"gate_proj": (ex.gate_up_proj[:, :inter], H_in), "up_proj": (ex.gate_up_proj[:, inter:], H_in),
+                   "down_proj": (ex.down_proj, H_down)}
+        chunk = options.expert_chunk
+        for part, (w_all, H_all) in weights.items():
+            # Experts in chunks: one batched GPTQ call per chunk amortises the column loop while the
+            # temporaries stay a few experts big, whatever the expert count.
+            for s in range(0, E, chunk):
+                ids = list(range(s, min(s + chunk, E)))
+                w = w_all[s : s + len(ids)].detach().float()
+                H = H_all if H_all.shape[0] == 1 else H_all[s : s + len(ids)]
+                qw = quantize_weight(w, H, options)
+                weak = [j for j, e in enumerate(ids) if e in starved]
+                if weak:  # too few calibration samples for a Hessian worth trusting
+                    rtn = quantize_rtn(w[weak], spec)
+                    for name in ("q", "scales", "zeros", "g_idx"):
+                        getattr(qw, name)[weak] = getattr(rtn, name).to(getattr(qw, name).dtype)
+                err = weighted_error(w, qw.dequantize(), H)
+                errors.setdefault("experts", []).extend(
+                    float(err[j]) for j, e in enumerate(ids) if stats.expert_in(e).n and e not in starved
+                )
+                for j, e in enumerate(ids):
+                    for k, v in qw[j].pack(options.checkpoint_format).items():
+                        getattr(getattr(q, part), k)[e].copy_(v)
+        layer.mlp.experts = q
+    summary = {kind: sum(v) / len(v) for kind, v in errors.items() if v}
+    return summary, fallbacks
+
+
+def quantize_layer_nf4(layer: torch.nn.Module, options: QuantizeOptions, device: torch.device) -> None:
+    """The NF4 baseline: every target linear and expert through bitsandbytes, no calibration."""
+    bs = options.nf4_blocksize
+    for name, _, _ in layer_targets(layer):
+        lin = layer.get_submodule(name)
+        mod = NF4Linear(lin.in_features, lin.out_features, bs).to(device)
+        packed, absmax = quantize_nf4(lin.weight.data, bs)
+        mod.nf4_weight.copy_(packed)
+        mod.nf4_absmax.copy_(absmax)
+        parent, _, child = name.rpartition(".")
+        setattr(layer.get_submodule(parent), child, mod)
+    if isinstance(layer.mlp, SparseMoE):
+        ex = layer.mlp.experts
+        E, inter, hidden = ex.gate_up_proj.shape[0], ex.gate_up_proj.shape[1] // 2, ex.gate_up_proj.shape[2]
+        q = nf4_experts(E, hidden, inter, bs).to(device)
+        for e in range(E):
+            for part, w in (("gate_proj", ex.gate_up_proj[e, :inter]), ("up_proj", ex.gate_up_proj[e, inter:]),
+                            ("down_proj", ex.down_proj[e])):
+                packed, absmax = quantize_nf4(w.data, bs)
+                getattr(q, part).nf4_weight[e].copy_(packed)
+                getattr(q, part).nf4_absmax[e].copy_(absmax)
+        layer.mlp.experts = q
+
+
+# ---- the pipeline ---------------------------------------------------------------------------------
+def _atomic_save_file(tensors: dict, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _check_finite(t: torch.Tensor, what: str) -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise QuantizationError(f"{what} contains NaN or Inf values; the source checkpoint or calibration is broken")
+
+
+def calibration_batch(src: Path, config: ModelConfig, options: QuantizeOptions, block_size: int) -> torch.Tensor:
+    if not any((src / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+        raise QuantizationError(f"{src}: no tokenizer files; calibration needs the model's tokenizer")
+    tokenizer = Tokenizer.from_dir(src)
+    texts = read_calibration_file(options.calib) if options.calib else stdlib_texts(seed=options.seed)
+    eos = (list(config.eos_token_ids) + tokenizer.eos_token_ids + [None])[0]
+    # Four windows' worth of text per sample keeps the windows varied without tokenizing megabytes.
+    stream = token_stream(tokenizer, texts, eos, max_tokens=4 * options.nsamples * options.seqlen)
+    mask = config.mask_token_id if config.mask_token_id is not None else tokenizer.mask_token_id
+    return calibration_ids(stream, options.nsamples, options.seqlen, options.seed, options.calibration,
+                           block_size, mask)
+
+
+def _run_layer(layer, acts: torch.Tensor, model: Denoiser, cos, sin, mask, batch: int) -> torch.Tensor:
+    out = torch.empty_like(acts)
+    with torch.no_grad():
+        for s in range(0, acts.shape[0], batch):
+            x = acts[s : s + batch]
+            state = model.zero_gdn_state(x.shape[0], x) if layer.kind == "linear_attention" else None
+            out[s : s + batch], _ = layer(x, cos, sin, mask, None, state)
+    return out
+
+
+def quantize_model(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    options: QuantizeOptions = QuantizeOptions(),
+    force: bool = False,
+    resume: bool = False,
+    on_layer: Callable[[int, int, dict], None] | None = None,
+) -> QuantizeReport:
+    """Quantize the checkpoint at `src` into `out` (see the module docstring)."""
+    t0 = time.perf_counter()
+    src, out = Path(src), Path(out)
+    if options.method not in METHODS:
+        raise QuantizationError(f"unknown method '{options.method}'; use one of {METHODS}")
+    if options.moe_calibration not in ("all", "routed"):
+        raise QuantizationError(f"moe_calibration must be 'all' or 'routed', got '{options.moe_calibration}'")
+    if out.exists() and not force:
+        raise CloverError(f"{out} already exists; pass --force to replace it")
+    if out.resolve() == src.resolve():
+        raise CloverError("the output directory must differ from the source")
+    config = load_config(src)
+    ckpt = Checkpoint(src)
+    if ckpt.quant_config is not None:
+        raise QuantizationError(f"{src} is already quantized; quantize from the 16-bit checkpoint")
+    device = torch.device(options.device)
+    model = build_model(config, device, torch.float32, materialize=False)  # all on meta: nothing allocated
+    plans, _, _ = plan_checkpoint(model, ckpt)  # validates the whole checkpoint from its headers
+    check_shapes(model, options)
+    block = options.block_size or config.block_size or 4
+    n_layers = config.num_hidden_layers
+    n_shards = n_layers + 1
+    src_dtype = SAFETENSORS_TO_TORCH.get(ckpt.canonical()["embed_tokens.weight"].dtype, torch.bfloat16)
+
+    partial = out.parent / f".{out.name}.partial"
+    state_file, acts_file = partial / "state.json", partial / "activations.pt"
+    state = None
+    if resume and state_file.exists():
+        state = json.loads(state_file.read_text())
+        if state.get("fingerprint") != options.fingerprint() or state.get("source") != str(src.resolve()):
+            raise CloverError(
+                f"the unfinished run in {partial} used another source or other settings; rerun without --resume"
+            )
+    elif partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True, exist_ok=True)
+
+    L = options.seqlen
+    cos, sin = model.rotary(torch.arange(L, device=device))
+    mask = block_causal_mask(0, L, block, device)
+    nf4 = options.method == "nf4"
+    if state is None and nf4:
+        acts = None  # NF4 needs no calibration
+        state = {"fingerprint": options.fingerprint(), "source": str(src.resolve()), "next_layer": 0, "layers": []}
+    elif state is None:
+        ids = calibration_batch(src, config, options, block).to(device)
+        model.embed_tokens.to_empty(device=device)
+        copy_tensors(model, ckpt, plans, only=lambda n: n == "embed_tokens.weight")
+        _check_finite(model.embed_tokens.weight, "model.embed_tokens.weight")
+        with torch.no_grad():
+            acts = model.embed_tokens(ids).float()
+        model.embed_tokens.to(device="meta")
+        state = {"fingerprint": options.fingerprint(), "source": str(src.resolve()), "next_layer": 0, "layers": []}
+    else:
+        acts = None if nf4 else torch.load(acts_file, map_location=device)
+
+    fallbacks = [f for entry in state["layers"] for f in entry["fallback_experts"]]
+    for i in range(state["next_layer"], n_layers):
+        lt = time.perf_counter()
+        layer = model.layers[i].to_empty(device=device)
+        prefix = f"layers.{i}."
+        copy_tensors(model, ckpt, plans, only=lambda n, p=prefix: n.startswith(p))
+        for name, p in layer.named_parameters():
+            _check_finite(p, f"model.{prefix}{name}")
+        if nf4:
+            quantize_layer_nf4(layer, options, device)
+            summary, layer_fallbacks = {}, []
+        else:
+            stats = LayerStats(layer, options, device)
+            _run_layer(layer, acts, model, cos, sin, mask, options.batch_size)  # collects the Hessians
+            stats.close()
+            summary, layer_fallbacks = quantize_layer(layer, stats, options, i, device)
+            del stats
+            acts = _run_layer(layer, acts, model, cos, sin, mask, options.batch_size)
+            _check_finite(acts, f"the output of layer {i} on the calibration data")
+        tensors = dict(checkpoint_tensors(layer, dtype=src_dtype, prefix=prefix))
+        _atomic_save_file(tensors, partial / f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors")
+        model.layers[i] = torch.nn.Identity()  # free it
+        if acts is not None:
+            torch.save(acts, acts_file.with_name("activations.pt.tmp"))
+            os.replace(acts_file.with_name("activations.pt.tmp"), acts_file)
+        entry = {"layer": i, "kind": "attention" if layer.kind == "full_attention" else "gdn",
+                 "errors": summary, "fallback_experts": layer_fallbacks}
+        state["layers"].append(entry)
+        state["next_layer"] = i + 1
+        _atomic_write(state_file, json.dumps(state))
+        fallbacks += layer_fallbacks
+        if on_layer:
+            on_layer(i, n_layers, {**entry, "seconds": time.perf_counter() - lt})
+
+    # The last shard: embeddings, final norm, lm_head (16-bit unless quantize_lm_head).
+    last: dict[str, torch.Tensor] = {}
+    lm_head_error = None
+    for name, info in ckpt.headers.items():
+        canon = canonical_name(name)
+        if canon is None or canon.startswith("layers."):
+            continue
+        if canon == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        with safe_open(str(info.file), framework="pt", device="cpu") as f:
+            last[f"model.{canon}" if canon != "lm_head.weight" else canon] = f.get_tensor(name)
+    if options.quantize_lm_head and nf4:
+        last["lm_head.nf4_weight"], last["lm_head.nf4_absmax"] = quantize_nf4(last.pop("lm_head.weight"),
+                                                                              options.nf4_blocksize)
+    elif options.quantize_lm_head:
+        lm_head_error = _quantize_lm_head(model, ckpt, plans, acts, last, options, device, config)
+    _atomic_save_file(last, partial / f"model-{n_shards:05d}-of-{n_shards:05d}.safetensors")
+
+    error_by_kind = _mean_errors(state["layers"], lm_head_error)
+    _write_metadata(partial, src, config, options, state["layers"], error_by_kind, fallbacks, block, n_shards)
+    for f in (state_file, acts_file):
+        f.unlink(missing_ok=True)
+    if out.exists():
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        partial.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        partial.rename(out)
+    return QuantizeReport(
+        out=out,
+        seconds=time.perf_counter() - t0,
+        bytes_before=sum(f.stat().st_size for f in ckpt.files),
+        bytes_after=sum(f.stat().st_size for f in out.glob("*.safetensors")),
+        error_by_kind=error_by_kind,
+        fallback_experts=fallbacks,
+        layers=state["layers"],
+    )
+
+
+def _quantize_lm_head(model, ckpt, plans, acts, last, options, device, config) -> float:
+    model.norm.to_empty(device=device)
+    copy_tensors(model, ckpt, plans, only=lambda n: n == "norm.weight")
+    H = HessianAccumulator(config.hidden_size, device)
+    with torch.no_grad():
+        for s in range(0, acts.shape[0], options.batch_size):
+            H.add(model.norm(acts[s : s + options.batch_size]))
+    w = last.pop("lm_head.weight").float().to(device)
+    qw = quantize_weight(w, H.H, options)
+    for k, v in qw.pack(options.checkpoint_format).items():
+        last[f"lm_head.{k}"] = v.cpu()
+    return float(weighted_error(w, qw.dequantize(), H.H))
+
+
+def _mean_errors(layers: list[dict], lm_head_error: float | None) -> dict[str, float]:
+    by_kind: dict[str, list[float]] = {}
+    for entry in layers:
+        for kind, err in entry["errors"].items():
+            by_kind.setdefault(kind, []).append(err)
+    out = {kind: sum(v) / len(v) for kind, v in by_kind.items()}
+    if lm_head_error is not None:
+        out["lm_head"] = lm_head_error
+    return out
+
+
+def _quant_config(options: QuantizeOptions) -> dict:
+    """The standard keys other tools read (GPTQ's quantize_config.json), or ours for NF4."""
+    if options.method == "nf4":
+        return {"quant_method": "nf4", "bits": 4, "blocksize": options.nf4_blocksize,
+                "lm_head": options.quantize_lm_head}
+    return {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": options.group_size,
+        "desc_act": options.act_order and options.method == "gptq",
+        "sym": options.sym,
+        "damp_percent": options.damp_percent,
+        "static_groups": options.static_groups,
+        "true_sequential": False,
+        "checkpoint_format": options.checkpoint_format,
+        "lm_head": options.quantize_lm_head,
+    }
+
+
+def _write_metadata(partial: Path, src: Path, config: ModelConfig, options: QuantizeOptions, layers: list[dict],
+                    error_by_kind: dict, fallbacks: list[str], block: int, n_shards: int) -> None:
+    weight_map, total = {}, 0
+    for i in range(1, n_shards + 1):
+        fname = f"model-{i:05d}-of-{n_shards:05d}.safetensors"
+        for name, info in read_header(partial / fname).items():
+            weight_map[name] = fname
+            total += DTYPE_BYTES[info.dtype] * math.prod(info.shape)
+    _atomic_write(partial / "model.safetensors.index.json",
+                  json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    quant = _quant_config(options)
+    clover = {
+        "method": options.method,
+        "calibration": options.calibration,
+        "calibration_text": options.calib or "python standard library sources",
+        "moe_calibration": options.moe_calibration,
+        "min_expert_samples": options.min_expert_samples,
+        "nsamples": options.nsamples,
+        "seqlen": options.seqlen,
+        "seed": options.seed,
+        "block_size": block,
+        "relative_output_error": error_by_kind,
+        "layers": layers,
+        "rtn_fallback_experts": fallbacks,
+    }
+    _atomic_write(partial / "quantize_config.json", json.dumps({**quant, "clover": clover}, indent=2))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = quant
+    _atomic_write(partial / "config.json", json.dumps(cfg, indent=2))
+    for name in COPIED_FILES:
+        if (src / name).exists():
+            shutil.copyfile(src / name, partial / name)
