@@ -17,3 +17,22 @@ def test_cache_benchmark_tokens_identical(tmp_path, monkeypatch):
     data = json.loads(out.read_text())
     assert [r["prompt_tokens"] for r in data["results"]] == [9, 40]
     assert all(r["identical_tokens"] and r["new_tokens"] == 6 for r in data["results"])
+
+
+def test_quant_benchmark_table(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "quant.json"
+    monkeypatch.setattr(sys, "argv", ["quant.py", "--model", str(_tiny(tmp_path)), "--methods", "rtn", "gptq",
+                                      "--nsamples", "4", "--seqlen", "32", "--eval-samples", "16",
+                                      "--eval-seqlen", "32", "--json", str(out)])
+    mod = runpy.run_path(str(BENCH / "quant.py"), run_name="bench")
+    assert mod["main"]() == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["16-bit", "rtn", "gptq"]
+    assert rows[1]["mib"] < rows[0]["mib"] / 2.5 and all(r["kl"] >= 0 for r in rows)
+    assert "top-1" in capsys.readouterr().out
+
+
+def _tiny(tmp_path):
+    from clover_lite.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path / "tiny", seed=0)

@@ -72,3 +72,22 @@ def test_layer_pattern():
     assert layer_pattern(("linear_attention",) * 3 + ("full_attention",)) == "3 x GDN + 1 x attention  [GGGA]"
     p = layer_pattern((("linear_attention",) * 3 + ("full_attention",)) * 10)
     assert p.startswith("(3 x GDN + 1 x attention) x 10")
+
+
+def test_quantize_eval_run(tmp_path):
+    src, out = tmp_path / "src", tmp_path / "int4"
+    assert clover("tiny", str(src)).returncode == 0
+    r = clover("quantize", str(src), str(out), "--group-size", "32", "--nsamples", "4", "--seqlen", "32")
+    assert r.returncode == 0, r.stderr
+    assert "layer 4/4 attention" in r.stderr  # per-layer progress when not on a terminal
+    for word in ("size", "rel. output error: experts", "experts on RTN fallback"):
+        assert word in r.stdout, word
+    r = clover("quantize", str(src), str(out), "--group-size", "32")
+    assert r.returncode == 1 and "--force" in r.stderr
+    r = clover("eval", str(out), "--against", str(src), "--nsamples", "8", "--seqlen", "32")
+    assert r.returncode == 0, r.stderr
+    assert "KL(ref" in r.stdout and "positions" in r.stdout
+    r = clover("run", "--model", str(out), "hello", "-n", "4")
+    assert r.returncode == 0, r.stderr
+    r = clover("quantize", str(src), str(tmp_path / "bad"), "--group-size", "48")
+    assert r.returncode == 1 and "group size 48" in r.stderr
