@@ -495,9 +495,15 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     progress: Callable[[int, int], None] | None = None,
+    kernels: str | None = None,
 ) -> tuple[Denoiser, LoadReport]:
+    """Load a checkpoint; `kernels` (auto|torch|triton, default $CLOVER_KERNELS or auto) picks the
+    implementation of the quantized modules once, here."""
+    from .kernels import dispatch
+
     ckpt = Checkpoint(path)
     model = build_model(config, device, dtype, ckpt)
     report = load_weights(model, ckpt, progress)
     model.eval()
+    dispatch.apply(model, dispatch.select(device, kernels))
     return model, report

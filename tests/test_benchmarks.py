@@ -36,3 +36,14 @@ def _tiny(tmp_path):
     from clover_lite.tiny import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path / "tiny", seed=0)
+
+
+def test_kernel_benchmark_and_gpu_check_smoke(tmp_path, monkeypatch):
+    """The GPU scripts run end to end on the CPU (Triton interpreter, tiny shapes), so a GPU session finds
+    them working; on the CPU they report timings of the interpreter, which mean nothing."""
+    monkeypatch.setattr(sys, "argv", ["kernels.py", "--smoke", "--out", str(tmp_path)])
+    assert runpy.run_path(str(BENCH / "kernels.py"), run_name="bench")["main"]() == 0
+    data = json.loads((tmp_path / "kernels.json").read_text())
+    assert {r["M"] for r in data["dense"]} == {1, 16} and data["moe"][0]["experts_touched"] >= 1
+    check = runpy.run_path(str(BENCH / "gpu_check.py"), run_name="bench")
+    assert check["main"](["--smoke", "--no-bench"]) == 0

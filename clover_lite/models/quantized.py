@@ -45,6 +45,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("g_idx", torch.zeros(*lead, in_features, dtype=torch.int32))
         self.bias = nn.Parameter(torch.zeros(*lead, out_features)) if bias else None
 
+    backend = "torch"  # "triton" once kernels.apply chose it at load time
+
     def weight_of(self, index: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dequantized W [out, in] (of stack entry `index` for stacked experts)."""
         t = (self.qweight, self.qzeros, self.scales, self.g_idx)
@@ -52,7 +54,25 @@ class QuantLinear(nn.Module):
             t = tuple(x[index] for x in t)
         return dequantize(*t, checkpoint_format=self.checkpoint_format, dtype=dtype)
 
+    def int4(self):
+        """The weights as the Triton kernels take them; an act-order g_idx that is plain k // group_size
+        (static groups) is dropped so the kernel takes its per-tile fast path."""
+        from ..kernels.w4a16 import Int4Weights
+
+        K, G = self.in_features, self.groups
+        plain = torch.arange(K, device=self.g_idx.device, dtype=torch.int32) // (K // G)
+        g_idx = None if bool((self.g_idx == plain).all()) else self.g_idx
+        return Int4Weights(self.qweight, self.scales, self.qzeros, K // G, g_idx, self.checkpoint_format)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "triton":
+            from ..kernels.w4a16 import gemm, gemv
+
+            x2 = x.reshape(-1, self.in_features)
+            w = self.int4()
+            y = gemv(x2, w) if x2.shape[0] <= 4 else gemm(x2, w)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight_of(dtype=x.dtype), self.bias)
 
     def extra_repr(self) -> str:
@@ -103,8 +123,14 @@ class QuantExperts(nn.Module):
         up = F.linear(h, self.up_proj.weight_of(e, h.dtype))
         return F.linear(F.silu(gate) * up, self.down_proj.weight_of(e, h.dtype))
 
+    backend = "torch"
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Reference path: each expert that received tokens is dequantized and run once."""
+        if self.backend == "triton" and isinstance(self.gate_proj, QuantLinear):
+            from ..kernels.moe import fused_moe
+
+            return fused_moe(x, weights, ids, self.gate_proj.int4(), self.up_proj.int4(), self.down_proj.int4())
+        # Reference path: each expert that received tokens is dequantized and run once.
         return dispatch(x, weights, ids, self.num_experts, self.expert)
 
 

@@ -1,0 +1,159 @@
+"""One script for a GPU session: every kernel's correctness against its PyTorch reference on fresh random
+inputs, then the benchmarks, within 10 minutes; a short table last.
+
+    python benchmarks/gpu_check.py                  # on the GPU machine
+    TRITON_INTERPRET=1 python benchmarks/gpu_check.py --smoke   # the same checks on a CPU, tiny and slow
+
+Copy the final table, the card and the date into benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+
+
+def _int4(K, N, group, device, gen, stack=None, act_order=False, fmt="gptq"):
+    from clover_lite.quant.pack import pack_qweight, pack_qzeros
+
+    lead = () if stack is None else (stack,)
+    G = K // group
+    q = torch.randint(0, 16, (*lead, K, N), generator=gen)
+    z = torch.randint(1, 16, (*lead, G, N), generator=gen)
+    s = (torch.rand(*lead, G, N, generator=gen) * 0.02 + 0.002).half()
+    off = 1 if fmt == "gptq" else 0
+    if stack is None:
+        qw, qz = pack_qweight(q), pack_qzeros(z - off)
+        gi = (torch.randperm(K, generator=gen) % G).int() if act_order else None
+    else:
+        qw = torch.stack([pack_qweight(q[e]) for e in range(stack)])
+        qz = torch.stack([pack_qzeros(z[e] - off) for e in range(stack)])
+        gi = torch.stack([(torch.randperm(K, generator=gen) % G).int() for _ in range(stack)]) if act_order else None
+    return dict(qweight=qw.to(device), scales=s.to(device), qzeros=qz.to(device), group_size=group,
+                g_idx=None if gi is None else gi.to(device), checkpoint_format=fmt)
+
+
+def check_w4a16(device, gen, smoke) -> str:
+    from clover_lite.kernels.w4a16 import w4a16_matmul, w4a16_matmul_reference
+
+    shapes = [(64, 40, 32)] if smoke else [(2048, 512, 128), (512, 2048, 128), (4096, 2048, 128), (2048, 8192, 64)]
+    dtypes = [torch.float32] if device.type == "cpu" else [torch.float16, torch.bfloat16]
+    worst = 0.0
+    for K, N, G in shapes:
+        for m in (1, 3, 16, 33, 64):
+            for dt in dtypes:
+                for act_order, fmt in ((False, "gptq"), (True, "gptq_v2")):
+                    w = _int4(K, N, G, device, gen, act_order=act_order, fmt=fmt)
+                    x = torch.randn(m, K, generator=gen).to(device, dt)
+                    out = torch.full((m, N), float("nan"), device=device, dtype=dt)
+                    w4a16_matmul(x, **w, out=out)
+                    ref = w4a16_matmul_reference(x.float(), **w)
+                    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                    worst = max(worst, err)
+                    if not err < (1e-4 if dt == torch.float32 else 2e-2):
+                        raise AssertionError(f"w4a16 K={K} N={N} M={m} {dt} act_order={act_order}: rel err {err}")
+    return f"max rel err {worst:.1e}"
+
+
+def check_moe(device, gen, smoke) -> str:
+    from clover_lite.kernels.moe import fused_moe
+    from clover_lite.kernels.w4a16 import Int4Weights
+    from clover_lite.models.moe import dispatch
+    from clover_lite.quant.pack import dequantize
+
+    E, k, H, inter = (8, 2, 64, 32) if smoke else (256, 8, 2048, 512)
+    ws = {p: _int4(H if p != "down" else inter, inter if p != "down" else H, 32 if smoke else 128, device, gen,
+                   stack=E) for p in ("gate", "up", "down")}
+    dense = {p: torch.stack([dequantize(w["qweight"][e], w["qzeros"][e], w["scales"][e],
+                                        torch.arange(w["qweight"].shape[1] * 8, device=device) // w["group_size"],
+                                        dtype=torch.float32) for e in range(E)]) for p, w in ws.items()}
+    worst = 0.0
+    for T in ((3, 40) if smoke else (1, 32, 64, 512)):
+        x = torch.randn(T, H, generator=gen).to(device)
+        logits = torch.randn(T, E, generator=gen).to(device)
+        w, ids = torch.topk(torch.softmax(logits, -1), k)
+        out = fused_moe(x, w, ids, *(Int4Weights(**ws[p]) for p in ("gate", "up", "down")))
+
+        def expert(e, h):
+            act = torch.nn.functional.silu(h @ dense["gate"][e].t()) * (h @ dense["up"][e].t())
+            return act @ dense["down"][e].t()
+
+        ref = dispatch(x, w, ids, E, expert)
+        err = ((out - ref).abs().max() / ref.abs().max()).item()
+        worst = max(worst, err)
+        if not err < 1e-3:
+            raise AssertionError(f"fused MoE T={T}: rel err {err}")
+    return f"max rel err {worst:.1e}"
+
+
+def check_model(device, gen, smoke) -> str:
+    """A tiny quantized model generates the same greedy tokens with the kernels as with the reference."""
+    import tempfile
+
+    import clover_lite
+    from clover_lite.kernels import dispatch
+    from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
+    from clover_lite.tiny import write_tiny_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = write_tiny_checkpoint(Path(tmp) / "src", seed=1)
+        out = quantize_model(src, Path(tmp) / "q", QuantizeOptions(group_size=32, nsamples=4, seqlen=32)).out
+        ref = clover_lite.load(out, device=device, dtype=torch.float32)
+        dispatch.apply(ref.model, "torch")
+        tri = clover_lite.load(out, device=device, dtype=torch.float32)
+        dispatch.apply(tri.model, "triton")
+        a = ref.generate([5, 6, 7, 8, 9], max_new_tokens=16).token_ids
+        b = tri.generate([5, 6, 7, 8, 9], max_new_tokens=16).token_ids
+    if a != b:
+        raise AssertionError(f"greedy tokens differ: {a} vs {b}")
+    return "greedy tokens identical"
+
+
+CHECKS = [("w4a16 matmul", check_w4a16), ("fused INT4 MoE", check_moe), ("tiny model, kernels vs torch", check_model)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU with TRITON_INTERPRET=1)")
+    ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--bench-timeout", type=int, default=420, help="seconds allowed for the benchmarks")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    smoke = args.smoke or device.type == "cpu"
+    gen = torch.Generator().manual_seed(int(time.time()))  # fresh inputs every run
+    t0 = time.time()
+    results = []
+    for name, fn in CHECKS:
+        t = time.time()
+        try:
+            results.append((name, "ok", fn(device, gen, smoke), time.time() - t))
+        except Exception as e:  # report every check, then fail
+            traceback.print_exc()
+            results.append((name, "FAIL", str(e)[:100], time.time() - t))
+    bench = "skipped"
+    if not args.no_bench:
+        cmd = [sys.executable, str(HERE / "kernels.py")] + (["--smoke"] if smoke else [])
+        try:
+            r = subprocess.run(cmd, timeout=args.bench_timeout, text=True, capture_output=True)
+            print(r.stdout, r.stderr, sep="\n")
+            bench = "ok (benchmarks/out/kernels.json)" if r.returncode == 0 else f"exit {r.returncode}"
+        except subprocess.TimeoutExpired:
+            bench = f"timed out after {args.bench_timeout} s"
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+    print(f"\n== gpu_check on {card}, {time.strftime('%Y-%m-%d')}, {time.time() - t0:.0f} s ==")
+    for name, status, detail, secs in results:
+        print(f"{status:>4}  {name:<32} {detail:<40} {secs:6.1f} s")
+    print(f"{'':>4}  {'benchmarks':<32} {bench}")
+    return 0 if all(s == "ok" for _, s, _, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Fused INT4 MoE: route -> (gate, up) GEMM with SiLU * up fused -> down GEMM with the routing weight
+fused -> combine. Runs on the experts a block actually touches.
+
+Two paths (shared DESIGN.md sections 4 and 7): when the touched experts hold few rows each (a 32-token
+block with top-8 of 256 experts gives ~1.6 rows per touched expert) every (token, expert) pair is one
+GEMV-style program that reads its expert's weights once, with no padding; with many rows per expert
+(prefill) pairs are sorted by expert and padded to BLOCK_M-row tiles with one expert per tile, as vLLM's
+fused_moe does, and run through the tiled tl.dot kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import configs
+from .w4a16 import Int4Weights, gemm, gemm_config_for, gemv
+
+
+def align_by_expert(sorted_expert: torch.Tensor, num_experts: int, block_m: int):
+    """Pairs sorted by expert -> (padded position of each pair, rows [n_pad] of pair indices with -1 padding,
+    expert of each BLOCK_M tile, n_pad). Each expert's pairs start on a tile boundary."""
+    counts = torch.bincount(sorted_expert, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(counts, 0) - counts
+    pstarts = torch.cumsum(padded, 0) - padded
+    P = sorted_expert.shape[0]
+    idx = torch.arange(P, device=sorted_expert.device)
+    pos = pstarts[sorted_expert] + (idx - starts[sorted_expert])
+    n_pad = int(padded.sum())
+    rows = torch.full((n_pad,), -1, dtype=torch.int32, device=sorted_expert.device)
+    rows[pos] = idx.to(torch.int32)
+    tile_expert = torch.repeat_interleave(torch.arange(num_experts, device=sorted_expert.device, dtype=torch.int32),
+                                          padded // block_m)
+    return pos, rows, tile_expert, n_pad
+
+
+def fused_moe(
+    x: torch.Tensor,
+    routing_weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    gate: Int4Weights,
+    up: Int4Weights,
+    down: Int4Weights,
+    gemv_max_rows: int = configs.MOE_GEMV_MAX_ROWS_PER_EXPERT,
+) -> torch.Tensor:
+    """x [T, hidden], routing weights / expert ids [T, k] -> sum_k w * down(silu(gate(x)) * up(x)) [T, hidden]."""
+    T, k = expert_ids.shape
+    if x.dim() != 2 or x.shape[0] != T:
+        raise ValueError(f"x must be [T, hidden] with T = {T}, got {tuple(x.shape)}")
+    if routing_weights.shape != expert_ids.shape:
+        raise ValueError("routing weights and expert ids must have the same shape")
+    E = gate.E
+    flat = expert_ids.reshape(-1).long()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= E):
+        raise ValueError(f"expert ids must be in [0, {E})")
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    token_of = (order // k).to(torch.int32)
+    scale = routing_weights.reshape(-1)[order].float()
+    P = flat.numel()
+    touched = int((torch.bincount(sorted_e, minlength=E) > 0).sum()) if P else 0
+    if P <= touched * gemv_max_rows:
+        e32 = sorted_e.to(torch.int32)
+        inter = gemv(x, gate, up, rows=token_of, row_expert=e32, n_rows=P)
+        y = gemv(inter, down, row_expert=e32, row_scale=scale, n_rows=P)
+    else:
+        cfg = gemm_config_for(x.device, P // max(touched, 1))
+        pos, pairs, tile_expert, n_pad = align_by_expert(sorted_e, E, cfg.block_m)
+        x_rows = torch.where(pairs >= 0, token_of[pairs.clamp(min=0).long()], -1).to(torch.int32)
+        inter = gemm(x, gate, up, rows=x_rows, tile_expert=tile_expert, n_rows=n_pad, config=cfg)
+        scale_pad = torch.zeros(n_pad, device=x.device, dtype=torch.float32)
+        scale_pad[pos] = scale
+        y = gemm(inter, down, tile_expert=tile_expert, row_scale=scale_pad, n_rows=n_pad, config=cfg)[pos]
+    out = torch.empty(P, x.shape[1], device=x.device, dtype=x.dtype)
+    out[order] = y.to(x.dtype)
+    return out.view(T, k, -1).sum(1)

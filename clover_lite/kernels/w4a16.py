@@ -1,0 +1,382 @@
+"""W4A16: activations in 16 bits (or fp32) times GPTQ INT4 weights, dequantized inside the kernel.
+
+Two Triton kernels serve both dense linears and MoE experts (shared DESIGN.md sections 3, 4, 7):
+- `_gemm_kernel`: tiles of BLOCK_M rows with tl.dot and fp32 accumulation, split-K for small M. Rows may be
+  gathered through an index (MoE: tokens sorted and padded per expert, one expert per tile).
+- `_gemv_kernel`: one row per program, no tl.dot: for M <= 4 and for MoE experts holding ~1-2 rows each,
+  where padding every expert to a 16-row tile would waste most of the work.
+Both can fuse SiLU(gate) * up (two weight sets, two accumulators) and a per-row scale (routing weight).
+When BLOCK_K stays inside one group (no act-order g_idx) the scale and zero apply once per tile:
+out += s * (x . q - z * sum(x)) (DESIGN section 7); with an act-order g_idx they are gathered per element.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from .dispatch import interpreting
+
+
+@triton.jit
+def _load_int4(qw_ptr, e, k0, k_end, offs_n, n_ok, s_qe, s_qk, s_qn,
+               BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Integers [BLOCK_K, BLOCK_N] of rows k0.. : the packed words [BLOCK_K/8, BLOCK_N] are loaded once and
+    each is expanded to its 8 rows in registers (row k is nibble k % 8 of word k // 8)."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(qw_ptr + e * s_qe + offs_w[:, None] * s_qk + offs_n[None, :] * s_qn,
+                    mask=(offs_w[:, None] < k_end // 8) & n_ok[None, :], other=0)
+    words = tl.reshape(tl.broadcast_to(words[:, None, :], (BLOCK_K // 8, 8, BLOCK_N)), (BLOCK_K, BLOCK_N))
+    shifts = (tl.arange(0, BLOCK_K) % 8) * 4
+    return (words >> shifts[:, None]) & 0xF
+
+
+@triton.jit
+def _group_params(sc_ptr, qz_ptr, e, g, offs_n, mask, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset):
+    """Scales and true zeros (fp32) for group indices g (broadcastable against offs_n)."""
+    s = tl.load(sc_ptr + e * s_se + g * s_sg + offs_n * s_sn, mask=mask, other=0.0).to(tl.float32)
+    zw = tl.load(qz_ptr + e * s_ze + g * s_zg + (offs_n // 8) * s_zn, mask=mask, other=0)
+    z = ((zw >> ((offs_n % 8) * 4)) & 0xF) + zero_offset
+    return s, z.to(tl.float32)
+
+
+@triton.jit
+def _tile_product(x, qw_ptr, sc_ptr, qz_ptr, gi_ptr, e, offs_k, offs_n, k_ok, n_ok, k0, k_end,
+                  s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
+                  group_size, zero_offset, HAS_GIDX: tl.constexpr, DOT_IEEE: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """x [BM, BK] (masked, in the dot dtype) times the dequantized weight tile [BK, BN] -> fp32 [BM, BN]."""
+    mask = k_ok[:, None] & n_ok[None, :]
+    q = _load_int4(qw_ptr, e, k0, k_end, offs_n, n_ok, s_qe, s_qk, s_qn, BLOCK_K, BLOCK_N)
+    if HAS_GIDX:
+        g = tl.load(gi_ptr + e * s_ge + offs_k * s_gk, mask=k_ok, other=0)
+        s, z = _group_params(sc_ptr, qz_ptr, e, g[:, None], offs_n[None, :], mask,
+                             s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
+        w = ((q.to(tl.float32) - z) * s).to(x.dtype)
+        if DOT_IEEE:
+            return tl.dot(x, w, input_precision="ieee")
+        return tl.dot(x, w)
+    # The whole tile is in one group: the integers go into the dot as they are (exact in 16 bits).
+    g = k0 // group_size
+    s, z = _group_params(sc_ptr, qz_ptr, e, g, offs_n, n_ok, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
+    if DOT_IEEE:
+        xq = tl.dot(x, q.to(x.dtype), input_precision="ieee")
+    else:
+        xq = tl.dot(x, q.to(x.dtype))
+    xsum = tl.sum(x.to(tl.float32), axis=1)
+    return s[None, :] * (xq - z[None, :] * xsum[:, None])
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr, rows_ptr, tile_expert_ptr, out_ptr, row_scale_ptr,
+    qw_ptr, sc_ptr, qz_ptr, gi_ptr, qw2_ptr, sc2_ptr, qz2_ptr, gi2_ptr,
+    M, N, K, k_per_split, group_size, zero_offset,
+    s_xm, s_xk, s_os, s_om, s_on,
+    s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_ROWS: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_GIDX: tl.constexpr, FUSE_GATE_UP: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr, DOT_IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    if HAS_ROWS:  # gathered rows (MoE): -1 marks padding
+        rows = tl.load(rows_ptr + offs_m, mask=m_ok, other=-1)
+        row_ok = m_ok & (rows >= 0)
+    else:
+        rows = offs_m
+        row_ok = m_ok
+    e = 0
+    if HAS_EXPERTS:
+        e = tl.load(tile_expert_ptr + pid_m)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_end
+        x = tl.load(x_ptr + rows[:, None] * s_xm + offs_k[None, :] * s_xk,
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += _tile_product(x, qw_ptr, sc_ptr, qz_ptr, gi_ptr, e, offs_k, offs_n, k_ok, n_ok, k0, k_end,
+                             s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
+                             group_size, zero_offset, HAS_GIDX, DOT_IEEE, BLOCK_K, BLOCK_N)
+        if FUSE_GATE_UP:
+            acc2 += _tile_product(x, qw2_ptr, sc2_ptr, qz2_ptr, gi2_ptr, e, offs_k, offs_n, k_ok, n_ok, k0, k_end,
+                                  s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
+                                  group_size, zero_offset, HAS_GIDX, DOT_IEEE, BLOCK_K, BLOCK_N)
+    if FUSE_GATE_UP:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc2  # silu(gate) * up
+    if HAS_ROW_SCALE:
+        acc = acc * tl.load(row_scale_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + pid_k * s_os + offs_m[:, None] * s_om + offs_n[None, :] * s_on
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, rows_ptr, row_expert_ptr, out_ptr, row_scale_ptr,
+    qw_ptr, sc_ptr, qz_ptr, gi_ptr, qw2_ptr, sc2_ptr, qz2_ptr, gi2_ptr,
+    N, K, group_size, zero_offset,
+    s_xm, s_xk, s_om, s_on,
+    s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_ROWS: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_GIDX: tl.constexpr, FUSE_GATE_UP: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
+):
+    p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    row = p
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + p)
+    e = 0
+    if HAS_EXPERTS:
+        e = tl.load(row_expert_ptr + p)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        mask = k_ok[:, None] & n_ok[None, :]
+        x = tl.load(x_ptr + row * s_xm + offs_k * s_xk, mask=k_ok, other=0.0).to(tl.float32)
+        if HAS_GIDX:
+            g = tl.load(gi_ptr + e * s_ge + offs_k * s_gk, mask=k_ok, other=0)
+        else:
+            g = offs_k // group_size
+        q = _load_int4(qw_ptr, e, k0, K, offs_n, n_ok, s_qe, s_qk, s_qn, BLOCK_K, BLOCK_N)
+        s, z = _group_params(sc_ptr, qz_ptr, e, g[:, None], offs_n[None, :], mask,
+                             s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
+        acc += tl.sum(x[:, None] * ((q.to(tl.float32) - z) * s), axis=0)
+        if FUSE_GATE_UP:
+            if HAS_GIDX:
+                g2 = tl.load(gi2_ptr + e * s_ge + offs_k * s_gk, mask=k_ok, other=0)
+            else:
+                g2 = g
+            q2 = _load_int4(qw2_ptr, e, k0, K, offs_n, n_ok, s_qe, s_qk, s_qn, BLOCK_K, BLOCK_N)
+            s2, z2 = _group_params(sc2_ptr, qz2_ptr, e, g2[:, None], offs_n[None, :], mask,
+                                   s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
+            acc2 += tl.sum(x[:, None] * ((q2.to(tl.float32) - z2) * s2), axis=0)
+    if FUSE_GATE_UP:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc2
+    if HAS_ROW_SCALE:
+        acc = acc * tl.load(row_scale_ptr + p).to(tl.float32)
+    tl.store(out_ptr + p * s_om + offs_n * s_on, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+# ---- launchers ---------------------------------------------------------------------------------------
+class Int4Weights:
+    """GPTQ tensors of one linear ([K/8, N] ...) or a stack of experts ([E, K/8, N] ...), validated."""
+
+    def __init__(self, qweight, scales, qzeros, group_size: int, g_idx=None, checkpoint_format: str = "gptq"):
+        if qweight.dim() == 2:
+            qweight, scales, qzeros = qweight[None], scales[None], qzeros[None]
+            g_idx = None if g_idx is None else g_idx[None]
+        if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+            raise ValueError(f"qweight and qzeros must be int32, got {qweight.dtype} and {qzeros.dtype}")
+        if scales.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"scales must be fp16/bf16/fp32, got {scales.dtype}")
+        E, K8, N = qweight.shape
+        K = K8 * 8
+        if group_size == -1:
+            group_size = K
+        if group_size <= 0 or K % group_size:
+            raise ValueError(f"group_size {group_size} does not divide K = {K}")
+        G = K // group_size
+        if scales.shape != (E, G, N):
+            raise ValueError(f"scales have shape {tuple(scales.shape)}, expected {(E, G, N)} for K={K}, N={N}")
+        if N % 8 or qzeros.shape != (E, G, N // 8):
+            raise ValueError(f"qzeros have shape {tuple(qzeros.shape)}, expected {(E, G, N // 8)}")
+        if g_idx is not None and g_idx.shape != (E, K):
+            raise ValueError(f"g_idx has shape {tuple(g_idx.shape)}, expected ({K},) per linear")
+        if checkpoint_format not in ("gptq", "gptq_v2"):
+            raise ValueError(f"checkpoint_format must be 'gptq' or 'gptq_v2', got '{checkpoint_format}'")
+        devices = {t.device for t in (qweight, scales, qzeros) + (() if g_idx is None else (g_idx,))}
+        if len(devices) != 1:
+            raise ValueError(f"weight tensors are on different devices: {devices}")
+        self.qweight, self.scales, self.qzeros = qweight, scales, qzeros
+        self.g_idx = None if g_idx is None else g_idx.to(torch.int32)
+        self.E, self.K, self.N, self.group_size = E, K, N, group_size
+        self.zero_offset = 1 if checkpoint_format == "gptq" else 0
+
+    def args(self):
+        gi = self.g_idx if self.g_idx is not None else self.qweight  # any pointer; unused without g_idx
+        return self.qweight, self.scales, self.qzeros, gi
+
+    def strides(self):
+        sg = (self.g_idx.stride(0), self.g_idx.stride(1)) if self.g_idx is not None else (0, 0)
+        return (*self.qweight.stride(), *self.scales.stride(), *self.qzeros.stride(), *sg)
+
+
+def _check_x(x: torch.Tensor, w: Int4Weights) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
+    if x.shape[1] != w.K:
+        raise ValueError(f"x has K = {x.shape[1]} but the weights have K = {w.K}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
+    if x.device != w.qweight.device:
+        raise ValueError(f"x is on {x.device} but the weights are on {w.qweight.device}")
+    if x.device.type != "cuda" and not interpreting():
+        raise ValueError("the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tests)")
+
+
+def _arch(device: torch.device) -> str | None:
+    if device.type != "cuda" or interpreting():
+        return None
+    return configs.arch_of(torch.cuda.get_device_capability(device))
+
+
+def gemm_config_for(device: torch.device, m: int) -> configs.GemmConfig:
+    arch = _arch(device)
+    return configs.INTERPRET_GEMM if arch is None else configs.gemm_config(arch, m)
+
+
+# (device index, M bucket, N, K, fused, g_idx) -> the fastest config measured on this GPU.
+_TUNED: dict[tuple, configs.GemmConfig] = {}
+
+
+def autotune(key: tuple, candidates: list[configs.GemmConfig], run, measure=None) -> configs.GemmConfig:
+    """Time `run(config)` for each candidate once per key and keep the fastest; a candidate that fails to
+    compile or run (e.g. out of shared memory on this part) is skipped. `measure` defaults to Triton's
+    do_bench (milliseconds)."""
+    if key in _TUNED:
+        return _TUNED[key]
+    if measure is None:
+        from triton.testing import do_bench
+
+        measure = lambda fn: do_bench(fn, warmup=5, rep=20)  # noqa: E731
+    best, best_t = candidates[0], float("inf")
+    for cfg in candidates:
+        try:
+            t = measure(lambda cfg=cfg: run(cfg))
+        except Exception:  # noqa: BLE001 - an unusable config is simply not chosen
+            continue
+        if t < best_t:
+            best, best_t = cfg, t
+    _TUNED[key] = best
+    return best
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    # The interpreter gets bf16 arithmetic wrong (DESIGN section 5): compute in fp32 there.
+    return torch.float32 if interpreting() and x.dtype == torch.bfloat16 else x.dtype
+
+
+def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: torch.Tensor | None = None,
+         tile_expert: torch.Tensor | None = None, row_scale: torch.Tensor | None = None, n_rows: int | None = None,
+         config: configs.GemmConfig | None = None) -> torch.Tensor:
+    """out [n_rows, N] = x[rows] @ W_e (per tile expert), optionally silu(x W) * (x W2) and * row_scale."""
+    _check_x(x, w)
+    cdt = _compute_dtype(x)
+    xc = x.to(cdt)
+    M = n_rows if n_rows is not None else x.shape[0]
+    cfg = config
+    if cfg is None:
+        arch = _arch(x.device)
+        cfg = gemm_config_for(x.device, M)
+        if arch is not None and os.environ.get("CLOVER_AUTOTUNE", "1") == "1":
+            bucket = next(b for b in configs.M_BUCKETS if M <= b)
+            key = (x.device.index, bucket, w.N, w.K, w2 is not None, w.g_idx is not None, rows is not None)
+            cfg = autotune(key, configs.autotune_configs(arch, M),
+                           lambda c: gemm(x, w, w2, rows, tile_expert, row_scale, n_rows, config=c))
+    bk = cfg.block_k
+    if w.g_idx is None and w.group_size < w.K and w.group_size % bk:
+        bk = w.group_size  # a tile must not straddle two groups (group sizes are powers of two >= 16)
+    split = 1 if w2 is not None else max(1, min(cfg.split_k, triton.cdiv(w.K, bk)))
+    k_per = triton.cdiv(triton.cdiv(w.K, split), bk) * bk
+    split = triton.cdiv(w.K, k_per)
+    out = torch.empty(split, M, w.N, device=x.device, dtype=torch.float32 if split > 1 else cdt)
+    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(w.N, cfg.block_n), split)
+    w2a = w2.args() if w2 is not None else w.args()
+    dummy = out
+    _gemm_kernel[grid](
+        xc, rows if rows is not None else dummy, tile_expert if tile_expert is not None else dummy, out,
+        row_scale if row_scale is not None else dummy,
+        *w.args(), *w2a,
+        M, w.N, w.K, k_per, w.group_size, w.zero_offset,
+        xc.stride(0), xc.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        *w.strides(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
+        HAS_ROWS=rows is not None, HAS_EXPERTS=tile_expert is not None, HAS_GIDX=w.g_idx is not None,
+        FUSE_GATE_UP=w2 is not None, HAS_ROW_SCALE=row_scale is not None, DOT_IEEE=cdt == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return (out[0] if split == 1 else out.sum(0)).to(x.dtype)
+
+
+def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: torch.Tensor | None = None,
+         row_expert: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
+         n_rows: int | None = None, config: configs.GemvConfig | None = None) -> torch.Tensor:
+    """out [n_rows, N]: row p = x[rows[p]] @ W_{row_expert[p]}, optionally fused gate/up and row scale."""
+    _check_x(x, w)
+    cdt = _compute_dtype(x)
+    xc = x.to(cdt)
+    P = n_rows if n_rows is not None else x.shape[0]
+    arch = _arch(x.device)
+    cfg = config or (configs.INTERPRET_GEMV if arch is None else configs.GEMV_TABLE[arch])
+    out = torch.empty(P, w.N, device=x.device, dtype=cdt)
+    if P == 0:
+        return out.to(x.dtype)
+    w2a = w2.args() if w2 is not None else w.args()
+    dummy = out
+    _gemv_kernel[(P, triton.cdiv(w.N, cfg.block_n))](
+        xc, rows if rows is not None else dummy, row_expert if row_expert is not None else dummy, out,
+        row_scale if row_scale is not None else dummy,
+        *w.args(), *w2a,
+        w.N, w.K, w.group_size, w.zero_offset,
+        xc.stride(0), xc.stride(1), out.stride(0), out.stride(1),
+        *w.strides(),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_ROWS=rows is not None, HAS_EXPERTS=row_expert is not None, HAS_GIDX=w.g_idx is not None,
+        FUSE_GATE_UP=w2 is not None, HAS_ROW_SCALE=row_scale is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out.to(x.dtype)
+
+
+def w4a16_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor,
+    group_size: int,
+    g_idx: torch.Tensor | None = None,
+    checkpoint_format: str = "gptq",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] (fp16/bf16; fp32 too) @ INT4 GPTQ weights as a checkpoint stores them (qweight [K/8, N],
+    scales [K/G, N], qzeros [K/G, N/8], optional act-order g_idx [K]; `gptq` v1 zeros are stored minus
+    one, `gptq_v2` true) -> [M, N] in x's dtype, written into `out` if given."""
+    w = Int4Weights(qweight, scales, qzeros, group_size, g_idx, checkpoint_format)
+    if w.E != 1:
+        raise ValueError("w4a16_matmul takes one linear; use the MoE entry point for stacked experts")
+    _check_x(x, w)
+    if out is not None and (out.shape != (x.shape[0], w.N) or out.dtype != x.dtype or out.device != x.device):
+        raise ValueError(f"out must be a {x.dtype} tensor of shape {(x.shape[0], w.N)} on {x.device}")
+    y = gemv(x, w) if x.shape[0] <= 4 else gemm(x, w)
+    if out is None:
+        return y.to(x.dtype)
+    out.copy_(y)
+    return out
+
+
+def w4a16_matmul_reference(x, qweight, scales, qzeros, group_size, g_idx=None, checkpoint_format="gptq"):
+    """The PyTorch reference: dequantize, then matmul (in x's dtype, as QuantLinear's reference path)."""
+    from ..quant.pack import dequantize
+
+    K = qweight.shape[0] * 8
+    if g_idx is None:
+        g_idx = torch.arange(K, device=qweight.device, dtype=torch.int32) // (K if group_size == -1 else group_size)
+    w = dequantize(qweight, qzeros, scales, g_idx, checkpoint_format, dtype=x.dtype)
+    return x @ w.t()

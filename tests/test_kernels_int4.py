@@ -1,0 +1,207 @@
+"""The INT4 Triton kernels, run by Triton's interpreter on CPU (TRITON_INTERPRET=1, set in conftest),
+against float64 references on fresh random inputs: ragged shapes, act-order, sym/asym, v1/v2."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from clover_lite.kernels import configs, dispatch  # noqa: E402
+from clover_lite.kernels.moe import fused_moe  # noqa: E402
+from clover_lite.kernels.w4a16 import Int4Weights, gemm, gemv, w4a16_matmul  # noqa: E402
+from clover_lite.models.moe import dispatch as moe_reference  # noqa: E402
+from clover_lite.quant.pack import pack_qweight, pack_qzeros  # noqa: E402
+
+GEN = torch.Generator().manual_seed(20261201)
+
+
+def random_int4(K, N, group, fmt="gptq", sym=True, act_order=False, stack=None):
+    """Random GPTQ tensors and the float64 weight W [.., N, K] they encode (computed independently)."""
+    lead = () if stack is None else (stack,)
+    G = 1 if group == -1 else K // group
+    q = torch.randint(0, 16, (*lead, K, N), generator=GEN)
+    zeros = torch.full((*lead, G, N), 8) if sym else torch.randint(1, 16, (*lead, G, N), generator=GEN)
+    scales = (torch.rand(*lead, G, N, generator=GEN) * 0.02 + 0.005).half()
+    base = torch.arange(K) // (K // G)
+    g_idx = torch.stack([base[torch.randperm(K, generator=GEN)] for _ in range(stack or 1)]) if act_order else None
+    gi = g_idx if g_idx is not None else base.expand(stack or 1, K)
+    packs, w = [], []
+    for e in range(stack or 1):
+        qe = q[e] if stack else q
+        ze = zeros[e] if stack else zeros
+        se = scales[e] if stack else scales
+        packs.append((pack_qweight(qe), pack_qzeros(ze - (1 if fmt == "gptq" else 0)), se))
+        w.append(((qe.double() - ze[gi[e]].double()) * se[gi[e]].double()).t())
+    qweight, qzeros, sc = (torch.stack([p[i] for p in packs]) for i in range(3))
+    if stack is None:
+        qweight, qzeros, sc, w = qweight[0], qzeros[0], sc[0], w[0]
+        g_idx = None if g_idx is None else g_idx[0]
+    else:
+        w = torch.stack(w)
+    return dict(qweight=qweight, scales=sc, qzeros=qzeros, group_size=group,
+                g_idx=None if g_idx is None else g_idx.int(), checkpoint_format=fmt), w
+
+
+def tol(dtype):
+    return dict(atol=2e-2, rtol=2e-2) if dtype != torch.float32 else dict(atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("M", [1, 3, 5, 17, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("variant", ["sym-v1", "asym-v1-actorder", "asym-v2", "sym-v2-actorder-perchannel"])
+def test_w4a16_matmul_matches_float64(M, dtype, variant):
+    sym = variant.startswith("sym")
+    fmt = "gptq_v2" if "v2" in variant else "gptq"
+    group = -1 if "perchannel" in variant else 32
+    t, w = random_int4(96, 40, group, fmt, sym, act_order="actorder" in variant)  # N, K not multiples of tiles
+    x = torch.randn(M, 96, generator=GEN).to(dtype)
+    out = torch.full((M, 40), float("nan"), dtype=dtype)  # poisoned: every element must be written
+    y = w4a16_matmul(x, **t, out=out)
+    assert y is out and not torch.isnan(out).any()
+    ref = x.double() @ w.t()
+    torch.testing.assert_close(out.double(), ref, **tol(dtype))
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gemm_tiles_ragged_k_and_split_k(split_k, act_order):
+    # Tiles wider than N and K (BLOCK_K 64 over K = 96: the second tile is ragged) and split-K.
+    t, w = random_int4(96, 24, -1 if not act_order else 32, act_order=act_order)
+    cfg = configs.GemmConfig(16, 64, 64, split_k, 4, 1)
+    x = torch.randn(21, 96, generator=GEN)
+    y = gemm(x, Int4Weights(**t), config=cfg)
+    torch.testing.assert_close(y.double(), x.double() @ w.t(), atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_input_is_computed_in_fp32_under_the_interpreter():
+    t, w = random_int4(64, 16, 32)
+    x = torch.randn(6, 64, generator=GEN).bfloat16()
+    y = w4a16_matmul(x, **t)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), x.double() @ w.t(), atol=5e-2, rtol=2e-2)
+
+
+def _moe_case(E, k, T, hidden=64, inter=32, fmt="gptq", sym=True, act_order=False):
+    gate_t, gate_w = random_int4(hidden, inter, 32, fmt, sym, act_order, stack=E)
+    up_t, up_w = random_int4(hidden, inter, 32, fmt, sym, act_order, stack=E)
+    down_t, down_w = random_int4(inter, hidden, 32, fmt, sym, act_order, stack=E)
+    x = torch.randn(T, hidden, generator=GEN)
+    logits = torch.randn(T, E, generator=GEN)
+    logits[:, 1] = -1e4  # expert 1 never receives a token
+    weights, ids = torch.topk(torch.softmax(logits, -1), k)
+    weights = weights / weights.sum(-1, keepdim=True)
+
+    def expert(e, h):
+        g, u = h.double() @ gate_w[e].t(), h.double() @ up_w[e].t()
+        return (torch.nn.functional.silu(g) * u) @ down_w[e].t()
+
+    ref = moe_reference(x.double(), weights.double(), ids, E, expert)
+    return x, weights, ids, Int4Weights(**gate_t), Int4Weights(**up_t), Int4Weights(**down_t), ref
+
+
+@pytest.mark.parametrize("E,k,T,variant", [(8, 2, 3, "sym"), (8, 2, 40, "asym-actorder"), (6, 3, 25, "sym-v2"),
+                                           (256, 8, 2, "sym"), (128, 8, 3, "asym")])
+def test_fused_moe_matches_reference(E, k, T, variant):
+    x, wts, ids, gate, up, down, ref = _moe_case(
+        E, k, T, fmt="gptq_v2" if "v2" in variant else "gptq", sym=variant.startswith("sym"),
+        act_order="actorder" in variant,
+    )
+    assert not (ids == 1).any()
+    out = fused_moe(x, wts, ids, gate, up, down)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_moe_both_paths_agree():
+    x, wts, ids, gate, up, down, ref = _moe_case(8, 2, 30)
+    gemv_path = fused_moe(x, wts, ids, gate, up, down, gemv_max_rows=1 << 20)
+    tiled_path = fused_moe(x, wts, ids, gate, up, down, gemv_max_rows=0)
+    torch.testing.assert_close(gemv_path.double(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(tiled_path.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_model_with_triton_kernels_generates_like_the_reference(tiny_dir, tmp_path):
+    import clover_lite
+    from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
+
+    out = quantize_model(tiny_dir, tmp_path / "q", QuantizeOptions(group_size=32, nsamples=4, seqlen=32)).out
+    ref = clover_lite.load(out, device="cpu")
+    tri = clover_lite.load(out, device="cpu")
+    dispatch.apply(tri.model, "triton")
+    with torch.no_grad():
+        ids = torch.randint(0, 256, (1, 20), generator=GEN)  # 40 (token, expert) pairs: the tiled MoE path
+        torch.testing.assert_close(tri.model(ids, block_size=4), ref.model(ids, block_size=4), atol=1e-4, rtol=1e-4)
+    assert tri.generate([5, 6, 7], max_new_tokens=4).token_ids == ref.generate([5, 6, 7], max_new_tokens=4).token_ids
+
+
+def test_every_tuning_config_fits_its_architecture():
+    for arch, table in configs.GEMM_TABLE.items():
+        assert set(table) == set(configs.M_BUCKETS), arch
+        for m, c in table.items():
+            assert min(c.block_m, c.block_n, c.block_k) >= 16, (arch, m, c)
+            assert 128 % c.block_k == 0 and c.split_k >= 1, (arch, m, c)
+            assert c.smem_bytes() <= configs.SMEM_LIMIT[arch], (arch, m, c, c.smem_bytes())
+            assert all(a.smem_bytes() <= configs.SMEM_LIMIT[arch] for a in configs.autotune_configs(arch, m))
+        gv = configs.GEMV_TABLE[arch]
+        assert min(gv.block_n, gv.block_k) >= 16 and gv.smem_bytes() <= configs.SMEM_LIMIT[arch]
+    assert configs.arch_of((8, 6)) == "sm_86" and configs.arch_of((9, 0)) == "sm_90"
+    assert configs.arch_of((8, 7)) == "sm_80"  # an unknown minor falls back within its major
+
+
+def test_bad_arguments_fail_before_launch():
+    t, _ = random_int4(64, 16, 32)
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="K = 48"):
+        w4a16_matmul(torch.randn(4, 48), **t)
+    with pytest.raises(ValueError, match="int32"):
+        w4a16_matmul(x, **{**t, "qweight": t["qweight"].float()})
+    with pytest.raises(ValueError, match="fp16, bf16 or fp32"):
+        w4a16_matmul(x.double(), **t)
+    with pytest.raises(ValueError, match="does not divide"):
+        w4a16_matmul(x, **{**t, "group_size": 48})
+    with pytest.raises(ValueError, match="scales have shape"):
+        w4a16_matmul(x, **{**t, "scales": t["scales"][:1]})
+    with pytest.raises(ValueError, match="g_idx"):
+        w4a16_matmul(x, **{**t, "g_idx": torch.zeros(10, dtype=torch.int32)})
+    with pytest.raises(ValueError, match="checkpoint_format"):
+        w4a16_matmul(x, **{**t, "checkpoint_format": "awq"})
+    with pytest.raises(ValueError, match="x must be"):
+        w4a16_matmul(x[0], **t)
+    with pytest.raises(ValueError, match="out must be"):
+        w4a16_matmul(x, **t, out=torch.empty(4, 15))
+    with pytest.raises(ValueError, match="expert ids"):
+        gate = Int4Weights(**random_int4(64, 32, 32, stack=2)[0])
+        down = Int4Weights(**random_int4(32, 64, 32, stack=2)[0])
+        fused_moe(x, torch.ones(4, 1), torch.full((4, 1), 5), gate, gate, down)
+
+
+def test_dispatch_choice(monkeypatch):
+    monkeypatch.setenv("CLOVER_KERNELS", "torch")
+    assert dispatch.select("cpu") == "torch"
+    monkeypatch.setenv("CLOVER_KERNELS", "auto")
+    assert dispatch.select("cpu") == "torch"  # the reference off CUDA
+    monkeypatch.setenv("CLOVER_KERNELS", "triton")
+    assert dispatch.select("cpu") == "triton"  # CPU tensors in the interpreter (tests)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        dispatch.select("cpu")
+    monkeypatch.setenv("CLOVER_KERNELS", "fast")
+    with pytest.raises(ValueError, match="CLOVER_KERNELS"):
+        dispatch.select("cpu")
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        gemv(torch.randn(1, 64), Int4Weights(**random_int4(64, 16, 32)[0]))
+
+
+def test_autotune_keeps_the_fastest_working_config():
+    from clover_lite.kernels import w4a16
+
+    cands = [configs.GemmConfig(16, 64, 64, s) for s in (1, 2, 4)]
+    times = {1: 3.0, 2: 1.0, 4: 2.0}
+
+    def run(cfg):
+        if cfg.split_k == 4:
+            raise RuntimeError("out of resources")
+        return cfg
+
+    seen = []
+    best = w4a16.autotune(("test", 1), cands, run, measure=lambda fn: (seen.append(fn()), times[seen[-1].split_k])[1])
+    assert best.split_k == 2 and w4a16.autotune(("test", 1), cands, run) is best  # cached: not measured again
