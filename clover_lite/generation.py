@@ -272,6 +272,9 @@ def denoise(
         generator = torch.Generator(device=runner.device)
         generator.manual_seed(cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
 
+    chooser = choose
+    if getattr(getattr(runner, "model", None), "backend", "torch") == "triton":
+        from .kernels.sampling import choose_fused as chooser
     stats = GenerationStats(prompt_tokens=P)
     runner.reserve(total)
     first_start = P // B * B
@@ -306,7 +309,7 @@ def denoise(
             masked = [i for i, t in enumerate(block) if t is None]
             ids = [mask_token_id if t is None else t for t in block]
             logits = runner.step(ids, masked)
-            tokens, conf = choose(
+            tokens, conf = chooser(
                 logits, cfg.temperature, cfg.top_k, cfg.top_p, cfg.confidence, mask_token_id, generator
             )
             pick = select_positions(conf, cfg, step_in_block).tolist()

@@ -54,11 +54,16 @@ def choose(
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     else:
         tokens = probs.argmax(-1)
-    chosen = probs.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, confidence_of(probs, tokens, confidence)
+
+
+def confidence_of(probs: torch.Tensor, picks: torch.Tensor, confidence: str) -> torch.Tensor:
+    """probs [n, m] (a distribution per row), picks [n] (column chosen in each row) -> confidence [n]."""
+    chosen = probs.gather(-1, picks[:, None]).squeeze(-1)
     if confidence == "prob":
-        return tokens, chosen
+        return chosen
     if confidence == "margin":
-        other = probs.scatter(-1, tokens[:, None], float("-inf")).max(-1).values
-        return tokens, chosen - other
+        other = probs.scatter(-1, picks[:, None], float("-inf")).max(-1).values
+        return chosen - other
     entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
-    return tokens, torch.exp(-entropy)
+    return torch.exp(-entropy)

@@ -53,20 +53,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def mix(self, x, cos, sin, mask, past_kv, gdn_state) -> tuple[torch.Tensor, LayerUpdate]:
+    def mix(self, x, cos, sin, mask, past_kv, gdn_state, need_state=True) -> tuple[torch.Tensor, LayerUpdate | None]:
         """The token mixer on the normed input; returns its output and the state it would commit."""
         h = self.input_layernorm(x)
         if self.kind == "full_attention":
             return self.self_attn(h, cos, sin, mask, past_kv)
-        return self.linear_attn(h, gdn_state)
+        return self.linear_attn(h, gdn_state, need_state)
 
-    def forward(self, x, cos, sin, mask, past_kv, gdn_state) -> tuple[torch.Tensor, LayerUpdate]:
-        mixed, update = self.mix(x, cos, sin, mask, past_kv, gdn_state)
+    def forward(
+        self, x, cos, sin, mask, past_kv, gdn_state, need_state=True
+    ) -> tuple[torch.Tensor, LayerUpdate | None]:
+        mixed, update = self.mix(x, cos, sin, mask, past_kv, gdn_state, need_state)
         x = x + mixed
         return x + self.mlp(self.post_attention_layernorm(x)), update
 
 
 class Denoiser(nn.Module):
+    backend = "torch"  # "triton" once kernels.apply chose it: the decoding loop then samples with the kernel
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -94,8 +98,10 @@ class Denoiser(nn.Module):
         block_size: int | None,
         cache: DenoiseCache | None,
         skip_last_mlp: bool = False,
-    ) -> tuple[torch.Tensor, list[LayerUpdate]]:
-        """Hidden states of input_ids placed at positions [start, start+L), plus every layer's update."""
+        need_states: bool = True,
+    ) -> tuple[torch.Tensor, list[LayerUpdate | None]]:
+        """Hidden states of input_ids placed at positions [start, start+L), plus every layer's update (GDN
+        layers skip computing theirs when need_states is False: a denoising step discards them)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
         b, L = input_ids.shape
@@ -123,9 +129,9 @@ class Denoiser(nn.Module):
                 gdn_state = None
             if skip_last_mlp and i == last:
                 # Committing needs only the states; the last layer's MLP feeds nothing but the logits.
-                _, update = layer.mix(x, cos, sin, mask, past_kv, gdn_state)
+                _, update = layer.mix(x, cos, sin, mask, past_kv, gdn_state, need_states)
             else:
-                x, update = layer(x, cos, sin, mask, past_kv, gdn_state)
+                x, update = layer(x, cos, sin, mask, past_kv, gdn_state, need_states)
             updates.append(update)
         return x, updates
 
@@ -160,7 +166,7 @@ class Denoiser(nn.Module):
         returns (logits [batch, n, vocab] fp32, the block's layer updates if keep_updates else None).
         The block must not cross a block boundary of the grid (it is one block, or its tail).
         """
-        hidden, updates = self._run(block_ids, cache.length, None, cache)
+        hidden, updates = self._run(block_ids, cache.length, None, cache, need_states=keep_updates)
         if positions is not None:
             hidden = hidden[:, positions]
         return self.logits(hidden), (updates if keep_updates else None)

@@ -115,8 +115,13 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, c.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, GDNUpdate]:
-        """x [b, L, hidden]; state = (recurrent [b, HV, K, V] fp32, conv tail [b, C, kernel-1])."""
+    backend = "torch"  # "triton" once kernels.apply chose it at load time
+
+    def forward(
+        self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], need_state: bool = True
+    ) -> tuple[torch.Tensor, GDNUpdate | None]:
+        """x [b, L, hidden]; state = (recurrent [b, HV, K, V] fp32, conv tail [b, C, kernel-1]), not modified.
+        Returns the output and, if need_state, the state after x (a denoising step does not need it)."""
         b, L, _ = x.shape
         recurrent, tail = state
         mixed, new_tail = causal_conv(self.in_proj_qkv(x).transpose(1, 2), tail, self.conv1d.weight.squeeze(1))
@@ -127,7 +132,80 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x))
         # In fp32: in fp16 exp(A_log) can overflow.
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        o, new_recurrent = gated_delta_rule_chunked(q, k, v, g, beta, recurrent)
+        if self.backend == "triton":
+            from ..kernels.gdn import gdn_chunked
+
+            o, new_recurrent = gdn_chunked(q, k, v, g, beta, recurrent, write_state=need_state)
+        else:
+            o, new_recurrent = gated_delta_rule_chunked(q, k, v, g, beta, recurrent)
         z = self.in_proj_z(x).reshape(b, L, self.n_v, self.dv)
         o = self.norm(o.to(x.dtype), z).reshape(b, L, self.value_dim)
-        return self.out_proj(o), GDNUpdate(recurrent=new_recurrent, conv=new_tail.to(tail.dtype))
+        update = GDNUpdate(recurrent=new_recurrent, conv=new_tail.to(tail.dtype)) if need_state else None
+        return self.out_proj(o), update
+
+
+def gated_delta_rule_block_states(q, k, v, g, beta, state, chunk: int):
+    """`gated_delta_rule_chunked` that also returns the state at the start of every chunk, for training.
+
+    Same inputs; L must be a multiple of `chunk`. Returns (out [b, L, HV, V] fp32, starts [b, L/chunk, HV,
+    K, V]: the state before each chunk, starts[:, 0] == state). The intra-chunk work runs for all chunks at
+    once; only the K x V state update is sequential: with W = (I + A)^-1 beta exp(c) k and U = (I + A)^-1
+    beta v (A as in the chunked form), a chunk's d = U - W S0, so S0 is all a chunk needs from earlier ones.
+    """
+    q, k, v, g, beta, S = _prepare(q, k, v, g, beta, state)
+    b, h, L, dk = q.shape
+    if L % chunk:
+        raise ValueError(f"length {L} is not a multiple of the chunk size {chunk}")
+    n = L // chunk
+    qc, kc, vc = (t.reshape(b, h, n, chunk, t.shape[-1]) for t in (q, k, v))
+    gc, bc = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
+    c = gc.cumsum(-1)
+    diff = c[..., :, None] - c[..., None, :]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = torch.where(lower, diff, torch.full_like(diff, float("-inf"))).exp()
+    A = bc[..., :, None] * decay.tril(-1) * (kc @ kc.transpose(-1, -2))
+    eye = torch.eye(chunk, dtype=S.dtype, device=q.device)
+    IA = eye + A
+    W = torch.linalg.solve_triangular(IA, (bc * c.exp())[..., None] * kc, upper=False, unitriangular=True)
+    U = torch.linalg.solve_triangular(IA, bc[..., None] * vc, upper=False, unitriangular=True)
+    kd = kc * (c[..., -1:] - c).exp()[..., None]  # k_s exp(c_C - c_s)
+    last = c[..., -1].exp()[..., None, None]  # [b, h, n, 1, 1]
+    starts, ds = [], []
+    for i in range(n):
+        starts.append(S)
+        d = U[:, :, i] - W[:, :, i] @ S
+        ds.append(d)
+        S = last[:, :, i] * S + kd[:, :, i].transpose(-1, -2) @ d
+    S0 = torch.stack(starts, dim=2)  # [b, h, n, K, V]
+    d = torch.stack(ds, dim=2)
+    o = c.exp()[..., None] * (qc @ S0) + (decay * (qc @ kc.transpose(-1, -2))) @ d
+    return o.reshape(b, h, L, -1).transpose(1, 2), S0.transpose(1, 2)
+
+
+def gdn_block_states(
+    layer: GatedDeltaNet, x: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GDN layer run causally over x [b, L, hidden] from the zero state, as `layer(x, zero state)`,
+    plus the state at the start of each block of the grid (for training every block at once).
+
+    Returns (out [b, L, hidden], recurrent [b, L/B, HV, K, V] fp32, conv tails [b, L/B, C, kernel-1]):
+    entry j is what a DenoiseCache holds after committing blocks 0..j-1 (zeros for j = 0).
+    """
+    b, L, _ = x.shape
+    qkv = layer.in_proj_qkv(x).transpose(1, 2)  # [b, C, L]
+    tail0 = qkv.new_zeros(b, qkv.shape[1], layer.kernel - 1)
+    mixed, _ = causal_conv(qkv, tail0, layer.conv1d.weight.squeeze(1))
+    # The conv tail before block j is the k-1 raw conv inputs ending at position jB (zeros before 0).
+    padded = F.pad(qkv, (layer.kernel - 1, 0))
+    tails = padded.unfold(2, layer.kernel - 1, block_size)[:, :, : L // block_size].permute(0, 2, 1, 3)
+    mixed = mixed.transpose(1, 2)
+    q = mixed[..., : layer.key_dim].reshape(b, L, layer.n_k, layer.dk)
+    k = mixed[..., layer.key_dim : 2 * layer.key_dim].reshape(b, L, layer.n_k, layer.dk)
+    v = mixed[..., 2 * layer.key_dim :].reshape(b, L, layer.n_v, layer.dv)
+    beta = torch.sigmoid(layer.in_proj_b(x))
+    g = -layer.A_log.float().exp() * F.softplus(layer.in_proj_a(x).float() + layer.dt_bias.float())
+    zero = x.new_zeros(b, layer.n_v, layer.dk, layer.dv, dtype=torch.float32)
+    o, starts = gated_delta_rule_block_states(q, k, v, g, beta, zero, block_size)
+    z = layer.in_proj_z(x).reshape(b, L, layer.n_v, layer.dv)
+    o = layer.norm(o.to(x.dtype), z).reshape(b, L, layer.value_dim)
+    return layer.out_proj(o), starts, tails.contiguous()
