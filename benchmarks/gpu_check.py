@@ -117,13 +117,78 @@ def check_model(device, gen, smoke) -> str:
     return "greedy tokens identical"
 
 
-CHECKS = [("w4a16 matmul", check_w4a16), ("fused INT4 MoE", check_moe), ("tiny model, kernels vs torch", check_model)]
+def check_attention(device, gen, smoke) -> str:
+    from clover_lite.kernels.attention import block_attention, block_attention_reference
+
+    cases = [(2, 2, 64, 40, 4)] if smoke else [(16, 2, 256, n, L) for n in (0, 1, 1000, 8191, 32768) for L in (4, 32)]
+    dtypes = [torch.float32] if device.type == "cpu" else [torch.float16, torch.bfloat16]
+    worst = 0.0
+    for hq, hkv, d, n, L in cases:
+        for dt in dtypes:
+            q = torch.randn(1, hq, L, d, generator=gen).to(device, dt)
+            kc, vc = (torch.randn(1, hkv, n + 7, d, generator=gen).to(device, dt) for _ in range(2))
+            kb, vb = (torch.randn(1, hkv, L, d, generator=gen).to(device, dt) for _ in range(2))
+            gate = torch.randn(1, L, hq * d, generator=gen).to(device, dt)
+            out = block_attention(q, kc, vc, kb, vb, n, gate=gate)
+            ref = block_attention_reference(q, kc, vc, kb, vb, n, gate=gate)
+            err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            worst = max(worst, err)
+            if not err < (1e-4 if dt == torch.float32 else 2e-2):
+                raise AssertionError(f"attention cache {n} L {L} {dt}: rel err {err}")
+    return f"max rel err {worst:.1e}"
+
+
+def check_gdn(device, gen, smoke) -> str:
+    from clover_lite.kernels.gdn import gdn_chunked
+    from clover_lite.models.gdn import gated_delta_rule_recurrent
+
+    b, hk, hv, dk = (1, 2, 4, 16) if smoke else (1, 16, 32, 128)
+    worst = 0.0
+    for L in ((4, 33) if smoke else (1, 32, 64, 300)):
+        q, k = (torch.randn(b, L, hk, dk, generator=gen) for _ in range(2))
+        v = torch.randn(b, L, hv, dk, generator=gen)
+        g = -torch.rand(b, L, hv, generator=gen) * 2
+        beta = torch.rand(b, L, hv, generator=gen)
+        s0 = torch.randn(b, hv, dk, dk, generator=gen)
+        frozen = s0.clone()
+        out, state = gdn_chunked(*(t.to(device) for t in (q, k, v, g, beta, s0)), write_state=True)
+        ro, rs = gated_delta_rule_recurrent(*(t.double() for t in (q, k, v, g, beta, s0)))
+        err = max(((out.cpu().double() - ro).abs().max() / ro.abs().max()).item(),
+                  ((state.cpu().double() - rs).abs().max() / rs.abs().max()).item())
+        worst = max(worst, err)
+        if not err < 1e-4 or not torch.equal(s0, frozen):
+            raise AssertionError(f"GDN L={L}: rel err {err}")
+    return f"max rel err {worst:.1e}"
+
+
+def check_sampling(device, gen, smoke) -> str:
+    from clover_lite.kernels.sampling import choose_fused
+    from clover_lite.sampling import choose
+
+    V = 1000 if smoke else 248320
+    logits = (torch.randn(32, V, generator=gen) * 4).to(device)
+    for conf in ("prob", "margin", "entropy"):
+        a, ca = choose(logits, confidence=conf, banned_token_id=5)
+        b, cb = choose_fused(logits, confidence=conf, banned_token_id=5)
+        if not torch.equal(a, b) or not torch.allclose(ca, cb, atol=1e-5, rtol=1e-4):
+            raise AssertionError(f"sampling ({conf}) differs from the reference")
+    g1 = torch.Generator(device=device).manual_seed(1)
+    g2 = torch.Generator(device=device).manual_seed(1)
+    if not torch.equal(choose_fused(logits, 1.0, generator=g1)[0], choose_fused(logits, 1.0, generator=g2)[0]):
+        raise AssertionError("a seed does not reproduce the sampled tokens")
+    return "greedy + confidences equal, seeded"
+
+
+CHECKS = [("w4a16 matmul", check_w4a16), ("fused INT4 MoE", check_moe), ("block attention", check_attention),
+          ("GDN block kernel", check_gdn), ("masked-position sampling", check_sampling),
+          ("tiny model, kernels vs torch", check_model)]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU with TRITON_INTERPRET=1)")
     ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--checks", nargs="+", help="run only the checks whose names contain these words")
     ap.add_argument("--bench-timeout", type=int, default=420, help="seconds allowed for the benchmarks")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -132,6 +197,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     results = []
     for name, fn in CHECKS:
+        if args.checks and not any(w in name for w in args.checks):
+            continue
         t = time.time()
         try:
             results.append((name, "ok", fn(device, gen, smoke), time.time() - t))

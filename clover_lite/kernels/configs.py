@@ -116,3 +116,72 @@ def autotune_configs(arch: str, m: int) -> list[GemmConfig]:
                 if c not in out and c.smem_bytes() <= SMEM_LIMIT[arch]:
                     out.append(c)
     return out
+
+
+# ---- block attention (kernels/attention.py) -----------------------------------------------------------
+# A denoising step's attention is decode-like (shared DESIGN.md section 7): the rows of a program are the
+# Hq/Hkv query heads of one kv head times the block's L positions (GQA packing, 8 x 32 = 256 rows for
+# Clover), the KV length is split across programs (flash-decoding) and the splits are merged exactly.
+# Rules the test suite checks for every entry: block_m, block_n >= 16 (every tl.dot dim; head_dim is a
+# multiple of 16), powers of two, and the shared memory estimate within SMEM_LIMIT for head_dim 128 and 256.
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_m: int  # packed rows (q heads x block positions) per program; fewer rows get a smaller power of two
+    block_n: int  # keys per inner step
+    num_warps: int = 4
+    num_stages: int = 2
+    merge_rows: int = 16  # rows per program of the split-merge kernel
+
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+        """Q tile [BM, D] once, K and V tiles [BN, D] per pipeline stage, and the probabilities [BM, BN]
+        re-laid out as the second dot's operand. Conservative: Triton may keep Q and P in registers."""
+        q = self.block_m * head_dim
+        kv = self.num_stages * 2 * self.block_n * head_dim
+        p = self.block_m * self.block_n
+        return (q + kv + p) * elem_bytes
+
+
+ATTENTION_HEAD_DIMS = (128, 256)  # table columns: head_dim <= 128 uses the 128 entry, up to 256 the 256 one
+# (arch, head_dim) -> config, for fp16/bf16 inputs. head_dim 256 keeps 64 rows per program (a [64, 256] fp32
+# accumulator is 64 registers per thread at 8 warps); GeForce parts (~100 KB of shared memory) run fewer stages
+# or keys. Compiled offline (triton 3.9, no GPU) every entry's shared memory came out below its estimate; ptxas
+# reported no spills except the num_splits == 1 epilogue with the gate (255 registers, <= 60 bytes spilled).
+ATTENTION_TABLE: dict[str, dict[int, AttentionConfig]] = {
+    "sm_80": {128: AttentionConfig(128, 64, 8, 2), 256: AttentionConfig(64, 32, 8, 3)},
+    "sm_86": {128: AttentionConfig(64, 64, 8, 2), 256: AttentionConfig(64, 32, 8, 1)},
+    "sm_89": {128: AttentionConfig(64, 64, 8, 2), 256: AttentionConfig(64, 32, 8, 1)},
+    "sm_90": {128: AttentionConfig(128, 64, 8, 3), 256: AttentionConfig(64, 64, 8, 2)},
+    "sm_100": {128: AttentionConfig(128, 64, 8, 3), 256: AttentionConfig(64, 64, 8, 2)},
+    "sm_120": {128: AttentionConfig(64, 64, 8, 2), 256: AttentionConfig(64, 32, 8, 1)},
+}
+# Under TRITON_INTERPRET: one program holds every packed row (up to 8 heads x 64 positions) and takes
+# 256 keys per step, so a test launches few programs with few iterations.
+INTERPRET_ATTENTION = AttentionConfig(512, 256, 4, 1, 256)
+# Automatic split count: at least this many cache keys per split, and enough splits for about
+# ATTENTION_WAVES programs per SM, never more than ATTENTION_MAX_SPLITS.
+ATTENTION_MIN_KEYS_PER_SPLIT = 512
+ATTENTION_WAVES = 2
+ATTENTION_MAX_SPLITS = 128
+
+
+def attention_config(arch: str, head_dim: int, elem_bytes: int = 2) -> AttentionConfig:
+    """The table entry for (arch, head_dim), shrunk (fewer stages, then fewer keys, then fewer rows) until it
+    fits the architecture's shared memory for this element size. fp32 inputs (a correctness path on a GPU:
+    tl.dot in IEEE fp32 runs without tensor cores) start from 16 rows x 32 keys, 4 warps, one stage."""
+    col = next((d for d in ATTENTION_HEAD_DIMS if head_dim <= d), ATTENTION_HEAD_DIMS[-1])
+    c = ATTENTION_TABLE[arch][col]
+    if elem_bytes >= 4:
+        c = AttentionConfig(16, min(c.block_n, 32), 4, 1, c.merge_rows)
+    limit = SMEM_LIMIT[arch]
+    while c.smem_bytes(col, elem_bytes) > limit:
+        if c.num_stages > 1:
+            c = AttentionConfig(c.block_m, c.block_n, c.num_warps, c.num_stages - 1, c.merge_rows)
+        elif c.block_n > 16:
+            c = AttentionConfig(c.block_m, c.block_n // 2, c.num_warps, c.num_stages, c.merge_rows)
+        elif c.block_m > 16:
+            c = AttentionConfig(c.block_m // 2, c.block_n, c.num_warps, c.num_stages, c.merge_rows)
+        else:
+            break
+    return c

@@ -17,6 +17,8 @@ from .layers import RMSNorm, apply_rotary
 
 
 class GatedAttention(nn.Module):
+    backend = "torch"  # "triton" once kernels.apply chose it at load time
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         c = config
@@ -53,6 +55,14 @@ class GatedAttention(nn.Module):
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
         q = apply_rotary(self.q_norm(q).transpose(1, 2), cos, sin)
         new = self.project_kv(x, cos, sin)
+        if self.backend == "triton" and mask is None and L <= 64:
+            # A denoising step (or a single-block commit): every key is visible, flash-decoding kernel.
+            from ..kernels.attention import block_attention
+
+            kc, vc = past if past is not None else (new.k[:, :, :0], new.v[:, :, :0])
+            out = block_attention(q, kc, vc, new.k, new.v, kc.shape[2], self.head_dim**-0.5,
+                                  gate=gate.reshape(b, L, -1))
+            return self.o_proj(out), new
         k, v = new.k, new.v
         if past is not None and past[0].shape[2] > 0:
             k = torch.cat([past[0], k], dim=2)

@@ -1,0 +1,203 @@
+"""The block-attention Triton kernels (flash-decoding over the committed cache plus the block's own keys), run by
+Triton's interpreter on CPU (TRITON_INTERPRET=1, set in conftest), against `block_attention_reference` and an
+independent float64 computation on fresh random inputs. The cache beyond cache_len is poisoned (NaN, inf, the
+dtype's largest value): the result must not change."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from clover_lite.kernels import configs  # noqa: E402
+from clover_lite.kernels.attention import (  # noqa: E402
+    block_attention,
+    block_attention_reference,
+    choose_num_splits,
+    split_plan,
+)
+
+GEN = torch.Generator().manual_seed(20261207)
+
+
+def make_inputs(b, Hq, Hkv, L, D, cache_len, capacity, dtype, gate, poison=True):
+    def rnd(*shape):
+        return torch.randn(*shape, generator=GEN).to(dtype)
+
+    q, kb, vb = rnd(b, Hq, L, D), rnd(b, Hkv, L, D), rnd(b, Hkv, L, D)
+    kc, vc = rnd(b, Hkv, capacity, D), rnd(b, Hkv, capacity, D)
+    if poison and capacity > cache_len:
+        big = torch.finfo(dtype).max
+        tail = torch.tensor([float("nan"), big, float("inf"), -big], dtype=dtype).repeat(capacity)
+        tail = tail[: capacity - cache_len]
+        kc[:, :, cache_len:] = tail[:, None]
+        vc[:, :, cache_len:] = tail.flip(0)[:, None]
+    g = rnd(b, L, Hq * D) * 2 if gate else None
+    return dict(q=q, k_cache=kc, v_cache=vc, k_block=kb, v_block=vb, cache_len=cache_len, gate=g)
+
+
+def float64_attention(q, k_cache, v_cache, k_block, v_block, cache_len, gate=None, scale=None):
+    """Written independently of the module: per query head, its kv head h // (Hq / Hkv), float64."""
+    b, Hq, L, D = q.shape
+    Hkv = k_cache.shape[1]
+    scale = D**-0.5 if scale is None else scale
+    out = torch.empty(b, L, Hq, D, dtype=torch.float64)
+    for h in range(Hq):
+        kvh = h // (Hq // Hkv)
+        k = torch.cat([k_cache[:, kvh, :cache_len], k_block[:, kvh]], dim=1).double()  # [b, N, D]
+        v = torch.cat([v_cache[:, kvh, :cache_len], v_block[:, kvh]], dim=1).double()
+        s = torch.einsum("bld,bnd->bln", q[:, h].double(), k) * scale
+        p = torch.exp(s - s.amax(-1, keepdim=True))
+        out[:, :, h] = torch.einsum("bln,bnd->bld", p / p.sum(-1, keepdim=True), v)
+    out = out.reshape(b, L, Hq * D)
+    return out if gate is None else out * torch.sigmoid(gate.double())
+
+
+def tol(dtype):
+    return {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=1e-2, rtol=1e-2),
+            torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}[dtype]
+
+
+F16, F32 = torch.float16, torch.float32
+# b, Hq, Hkv, L, D, cache_len, capacity, dtype, gate, num_splits
+CASES = {
+    "empty-cache-no-storage": (1, 2, 2, 4, 128, 0, 0, F32, False, None),  # GQA 1, cache_len 0, capacity 0
+    "empty-cache-poisoned": (1, 8, 1, 4, 256, 0, 40, F16, True, None),  # every cache slot is garbage
+    "cache-1-block-1": (1, 8, 2, 1, 128, 1, 16, F16, True, None),  # GQA 4, L 1 (15 padded rows)
+    "ragged-batch2-gqa8": (2, 8, 1, 17, 256, 300, 333, F16, True, None),  # 300: a non-multiple of 256 keys
+    "ragged-fp32-block-32": (1, 4, 1, 32, 256, 77, 90, F32, False, None),
+    "clover-heads": (1, 16, 2, 32, 256, 64, 100, F16, True, None),  # 16 q / 2 kv heads, head_dim 256
+    "gqa1-fp32-batch2": (2, 2, 2, 4, 128, 257, 300, F32, True, 2),
+    "long-2500": (1, 4, 1, 17, 128, 2500, 2600, F16, True, 2),  # a few thousand keys, two splits
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_block_attention_matches_references(case):
+    b, Hq, Hkv, L, D, cache_len, cap, dtype, gate, splits = CASES[case]
+    args = make_inputs(b, Hq, Hkv, L, D, cache_len, cap, dtype, gate)
+    y = block_attention(**args, num_splits=splits)
+    assert y.shape == (b, L, Hq * D) and y.dtype == dtype
+    assert torch.isfinite(y).all()
+    ref = block_attention_reference(**args)
+    assert torch.isfinite(ref).all()
+    torch.testing.assert_close(y, ref, **tol(dtype))
+    f64 = float64_attention(**args)
+    torch.testing.assert_close(y.double(), f64, **tol(dtype))
+    torch.testing.assert_close(ref.double(), f64, **tol(dtype))  # the reference itself is right
+
+
+def test_bf16_is_computed_in_fp32_under_the_interpreter_and_scale_is_honoured():
+    args = make_inputs(1, 4, 2, 5, 128, 40, 48, torch.bfloat16, True)
+    y = block_attention(**args, scale=0.2)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), float64_attention(**args, scale=0.2), **tol(torch.bfloat16))
+
+
+@pytest.mark.parametrize("D", [64, 96])
+def test_other_head_dims_and_strided_inputs(D):
+    # Layouts as GatedAttention produces them: q a transposed view, the cache a slice of a wider buffer.
+    b, Hq, Hkv, L, cache_len = 1, 4, 2, 6, 50
+    args = make_inputs(b, Hq, Hkv, L, D, cache_len, 64, F32, True)
+    args["q"] = args["q"].transpose(1, 2).contiguous().transpose(1, 2)  # [b, Hq, L, D] with L-major strides
+    wide = torch.randn(b, Hkv, 64, 2 * D, generator=GEN)
+    wide[..., :D] = args["k_cache"]
+    args["k_cache"] = wide[..., :D]  # row stride 2*D
+    assert not args["q"].is_contiguous() and not args["k_cache"].is_contiguous()
+    y = block_attention(**args)
+    torch.testing.assert_close(y.double(), float64_attention(**args), **tol(F32))
+    # ... and PyTorch's own GQA attention agrees (a third, unrelated implementation).
+    k = torch.cat([args["k_cache"][:, :, :cache_len], args["k_block"]], 2)
+    v = torch.cat([args["v_cache"][:, :, :cache_len], args["v_block"]], 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(args["q"], k, v, enable_gqa=True)
+    sdpa = sdpa.transpose(1, 2).reshape(b, L, Hq * D) * torch.sigmoid(args["gate"])
+    torch.testing.assert_close(y, sdpa, **tol(F32))
+
+
+def test_split_kv_equals_single_split(monkeypatch):
+    # 32-key steps over 200 keys: 7 steps, so 1, 3 and 7 splits all exist; 16-row merge tiles over 80 rows.
+    monkeypatch.setattr(configs, "INTERPRET_ATTENTION", configs.AttentionConfig(512, 32, 4, 1, 16))
+    assert [split_plan(200, s, 32)[0] for s in (1, 3, 7, 50)] == [1, 3, 7, 7]
+    args = make_inputs(2, 8, 2, 5, 64, 200, 230, F32, True)
+    one = block_attention(**args, num_splits=1)
+    for s in (3, 7, 50):
+        torch.testing.assert_close(block_attention(**args, num_splits=s), one, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(block_attention(**args), one, atol=1e-5, rtol=1e-5)  # automatic choice
+    torch.testing.assert_close(one.double(), float64_attention(**args), **tol(F32))
+
+
+def test_row_tiles_and_block_steps_smaller_than_the_problem(monkeypatch):
+    # GPU-like tiles: 16-row tiles over 4 heads x 17 positions = 68 rows (5 row tiles), 16-key steps, so the
+    # block's own 17 keys take two steps; three splits.
+    monkeypatch.setattr(configs, "INTERPRET_ATTENTION", configs.AttentionConfig(16, 16, 4, 1, 16))
+    args = make_inputs(1, 4, 1, 17, 64, 45, 50, F16, True)
+    y = block_attention(**args, num_splits=3)
+    torch.testing.assert_close(y.double(), float64_attention(**args), **tol(F16))
+    torch.testing.assert_close(block_attention(**args, num_splits=1), y, atol=2e-3, rtol=2e-3)
+
+
+def test_choose_num_splits():
+    per = configs.ATTENTION_MIN_KEYS_PER_SPLIT
+    assert choose_num_splits(0, 2, 132, 64) == 1
+    assert choose_num_splits(per, 2, 132, 64) == 1  # short caches: one split, no merge kernel
+    assert choose_num_splits(32768, 2, 132, 64) == 32768 // per  # long: limited by keys per split
+    assert choose_num_splits(32768, 64, 132, 64) == 5  # many programs already: limited by ~2 waves
+    assert choose_num_splits(1 << 22, 1, 1000, 64) == configs.ATTENTION_MAX_SPLITS
+    assert split_plan(0, 5, 64) == (1, 0) and split_plan(65, 5, 64) == (2, 64)
+
+
+def test_bad_arguments_fail_before_launch(monkeypatch):
+    args = make_inputs(1, 4, 2, 3, 64, 10, 16, F32, True, poison=False)
+
+    def bad(match, **changes):
+        with pytest.raises(ValueError, match=match):
+            block_attention(**{**args, **changes})
+
+    bad("q must be 4-D", q=args["q"][0])
+    bad("fp16, bf16 or fp32", q=args["q"].double())
+    bad("k_cache is torch.float16", k_cache=args["k_cache"].half())
+    bad("block length", q=torch.randn(1, 4, 65, 64), k_block=torch.randn(1, 2, 65, 64),
+        v_block=torch.randn(1, 2, 65, 64), gate=None)
+    bad("head_dim must be a multiple of 16", q=torch.randn(1, 4, 3, 40), k_cache=torch.randn(1, 2, 16, 40),
+        v_cache=torch.randn(1, 2, 16, 40), k_block=torch.randn(1, 2, 3, 40), v_block=torch.randn(1, 2, 3, 40),
+        gate=None)
+    bad("head_dim must be a multiple of 16", q=torch.randn(1, 4, 3, 512), k_cache=torch.randn(1, 2, 16, 512),
+        v_cache=torch.randn(1, 2, 16, 512), k_block=torch.randn(1, 2, 3, 512), v_block=torch.randn(1, 2, 3, 512),
+        gate=None)
+    bad("multiple of the 3 kv heads", k_cache=torch.randn(1, 3, 16, 64), v_cache=torch.randn(1, 3, 16, 64),
+        k_block=torch.randn(1, 3, 3, 64), v_block=torch.randn(1, 3, 3, 64))
+    bad("k_cache must be", k_cache=torch.randn(2, 2, 16, 64), v_cache=torch.randn(2, 2, 16, 64))
+    bad("v_cache has shape", v_cache=torch.randn(1, 2, 15, 64))
+    bad("k_block must be", k_block=torch.randn(1, 2, 4, 64))
+    bad("v_block must be", v_block=torch.randn(1, 2, 3, 32))
+    bad(r"cache_len must be in 0..capacity \(16\)", cache_len=17)
+    bad("cache_len must be in", cache_len=-1)
+    bad("cache_len must be an int", cache_len=3.0)
+    bad("scale must be", scale=float("nan"))
+    bad("gate must be", gate=torch.randn(1, 3, 4 * 64 + 1))
+    bad("gate is torch.float16", gate=args["gate"].half())
+    bad("num_splits must be", num_splits=0)
+    bad("different devices", q=args["q"].to("meta"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    bad("CUDA tensors")
+
+
+def test_every_attention_config_fits_its_architecture():
+    def pow2(x):
+        return x & (x - 1) == 0
+
+    assert set(configs.ATTENTION_TABLE) == set(configs.SMEM_LIMIT)
+    for arch, table in configs.ATTENTION_TABLE.items():
+        assert set(table) == set(configs.ATTENTION_HEAD_DIMS), arch
+        for d, c in table.items():
+            # every tl.dot dim: rows (block_m), keys (block_n; the block's own keys use min(block_n, >=16)),
+            # and head_dim (a multiple of 16 by validation)
+            assert min(c.block_m, c.block_n, c.merge_rows) >= 16 and pow2(c.block_m) and pow2(c.block_n), (arch, c)
+            assert c.num_warps in (1, 2, 4, 8, 16) and c.num_stages >= 1
+            assert c.smem_bytes(d) <= configs.SMEM_LIMIT[arch], (arch, d, c, c.smem_bytes(d))
+            assert configs.attention_config(arch, d) == c  # 16-bit inputs: the table entry as written
+            fp32 = configs.attention_config(arch, d, elem_bytes=4)  # fp32 inputs: shrunk until it fits
+            assert min(fp32.block_m, fp32.block_n) >= 16 and fp32.smem_bytes(d, 4) <= configs.SMEM_LIMIT[arch]
+        assert configs.attention_config(arch, 64) == table[128] and configs.attention_config(arch, 96) == table[128]
+    c = configs.INTERPRET_ATTENTION
+    assert min(c.block_m, c.block_n, c.merge_rows) >= 16 and pow2(c.block_m) and pow2(c.block_n)
+    assert c.block_m >= 8 * 64  # under the interpreter one row tile holds 8 heads x 64 positions
