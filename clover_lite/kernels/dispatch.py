@@ -47,7 +47,9 @@ def select(device: torch.device | str, mode: str | None = None) -> str:
 
 
 def apply(model: torch.nn.Module, backend: str) -> None:
-    """Record the backend on every module that has a kernel path."""
+    """Record the backend on every module that has a kernel path (and let it prepare for the kernels)."""
     for module in model.modules():
         if hasattr(module, "backend"):
             module.backend = backend
+            if backend == "triton" and hasattr(module, "prepare"):
+                module.prepare()

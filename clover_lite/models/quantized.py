@@ -64,12 +64,17 @@ class QuantLinear(nn.Module):
         g_idx = None if bool((self.g_idx == plain).all()) else self.g_idx
         return Int4Weights(self.qweight, self.scales, self.qzeros, K // G, g_idx, self.checkpoint_format)
 
+    def prepare(self) -> None:
+        """Called once when the Triton backend is chosen: the kernels' view of the weights, cached (the
+        g_idx check syncs with the device, which must not happen on every step)."""
+        self._int4 = self.int4()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "triton":
             from ..kernels.w4a16 import gemm, gemv
 
             x2 = x.reshape(-1, self.in_features)
-            w = self.int4()
+            w = getattr(self, "_int4", None) or self.int4()
             y = gemv(x2, w) if x2.shape[0] <= 4 else gemm(x2, w)
             y = y.reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
@@ -129,7 +134,8 @@ class QuantExperts(nn.Module):
         if self.backend == "triton" and isinstance(self.gate_proj, QuantLinear):
             from ..kernels.moe import fused_moe
 
-            return fused_moe(x, weights, ids, self.gate_proj.int4(), self.up_proj.int4(), self.down_proj.int4())
+            parts = [getattr(p, "_int4", None) or p.int4() for p in (self.gate_proj, self.up_proj, self.down_proj)]
+            return fused_moe(x, weights, ids, *parts, validate=False)
         # Reference path: each expert that received tokens is dequantized and run once.
         return dispatch(x, weights, ids, self.num_experts, self.expert)
 
