@@ -4,15 +4,18 @@
     engine = clover_lite.load("path/to/model")          # or load() for the bundled model
     out = engine.generate("Hello", max_new_tokens=64)
     print(out.text, out.stats.tokens_per_forward)
+    print(clover_lite.plan("path/to/model", "int4", 8192, "rtx4090").message())   # will it fit?
 """
 
 from .engine import Engine, load
 from .errors import CheckpointError, CloverError, ConfigError, GenerationError, TokenizerError
 from .generation import BlockEvent, DoneEvent, Generation, GenerationConfig, GenerationStats, StepEvent
+from .planner import MemoryPlan, plan
 
 __version__ = "0.1.0"
 
 __all__ = [
     "load", "Engine", "GenerationConfig", "Generation", "GenerationStats", "StepEvent", "BlockEvent", "DoneEvent",
-    "CloverError", "ConfigError", "CheckpointError", "TokenizerError", "GenerationError", "__version__",
+    "plan", "MemoryPlan", "CloverError", "ConfigError", "CheckpointError", "TokenizerError", "GenerationError",
+    "__version__",
 ]

@@ -163,11 +163,14 @@ def load(
     dtype: str | torch.dtype | None = None,
     mask_token_id: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    check_memory: bool = True,
 ) -> Engine:
     """Load a model directory (Hugging Face layout: config.json, safetensors, tokenizer files).
 
     `path` None loads the bundled default model. `device` "auto" picks CUDA when present; `dtype` None
-    means fp32 on CPU and bf16 on a GPU.
+    means fp32 on CPU and bf16 on a GPU. `check_memory` plans the model's memory first (clover_lite.plan) and
+    refuses with the plan instead of running out of memory halfway: on CUDA against the free memory, on CPU
+    only when the weights alone exceed the available RAM.
     """
     model_path = Path(path) if path is not None else default_model_path()
     if not model_path.exists():
@@ -177,6 +180,10 @@ def load(
     config = load_config(model_path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    if check_memory:
+        from .planner import check_load
+
+        check_load(model_path, config, dev, dt)
     model, report = load_model(model_path, config, dev, dt, progress)
     tokenizer = None
     if any((model_path / f).exists() for f in ("tokenizer.json", "tokenizer.model")):

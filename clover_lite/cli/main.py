@@ -1,4 +1,4 @@
-"""The `clover` command: run, info, tiny."""
+"""The `clover` command: run, info, tiny (chat, bench, quantize and eval are registered at the end)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,32 @@ def _fail(e: Exception) -> None:
     sys.exit(1)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# Commands defined in other modules, imported when used (`clover --help` imports them all). Lazy, so that
+# `clover_lite.cli.chat` (which uses this module's helpers) can also be imported first.
+LAZY_COMMANDS = {
+    "chat": (".chat", "chat"),
+    "bench": (".bench", "bench"),
+    "quantize": (".quantize", "quantize"),
+    "eval": (".quantize", "eval_cmd"),
+}
+
+
+class CloverGroup(click.Group):
+    def list_commands(self, ctx) -> list[str]:
+        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+
+    def get_command(self, ctx, name):
+        cmd = super().get_command(ctx, name)
+        if cmd is None and name in LAZY_COMMANDS:
+            import importlib
+
+            module, attr = LAZY_COMMANDS[name]
+            cmd = getattr(importlib.import_module(module, __package__), attr)
+            self.add_command(cmd, name)
+        return cmd
+
+
+@click.group(cls=CloverGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="clover-lite")
 def main() -> None:
     """clover-lite: run block-diffusion language models on one GPU (or slowly on a CPU)."""
@@ -166,27 +191,72 @@ def layer_pattern(layer_types: tuple[str, ...]) -> str:
 
 
 @main.command()
-@click.argument("path", type=click.Path())
-def info(path) -> None:
-    """Print a model's architecture, parameter counts and layer pattern (nothing is loaded)."""
+@click.argument("path")
+@click.option("--gpu", "gpus", multiple=True,
+              help="A card to check (rtx3090, rtx4090, rtx5090, h200, gb300; repeatable): says what to change "
+                   "if the model does not fit. Default: a fit table for every known card.")
+@click.option("--context", type=int, default=8192, show_default=True, help="Context length to plan for.")
+@click.option("--quant", "quants", multiple=True,
+              help="Plan another format: bf16, fp16, fp32, int4 (GPTQ g128), int4-gG, nf4 (repeatable, to compare; "
+                   "default: the checkpoint's).")
+@click.option("--quantize-lm-head", is_flag=True, help="With --quant int4/nf4: lm_head quantized too.")
+@click.option("--block-size", type=int, default=None, help="Block size (default: the model's).")
+@click.option("--json", "as_json", is_flag=True, help="The plan as JSON instead of tables.")
+def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> None:
+    """A model's architecture, parameters and memory plan (nothing is loaded).
+
+    PATH is a model directory or a named config (tiny, clover-35b-a3b). The memory plan counts weights by
+    format, the KV cache and GDN state at --context tokens, an activation-workspace estimate, the logits
+    buffer and the CUDA context, and says on which known cards the model fits."""
+    import json
+
     from rich.console import Console
     from rich.table import Table
 
-    from ..loader import checkpoint_files, read_header
+    from .. import planner
+    from ..loader import checkpoint_files, read_header, read_quant_config
     from ..models.config import load_config
     from ..models.denoiser import Denoiser
 
+    named = not Path(path).exists() and path in planner.NAMED_CONFIGS
     try:
-        config = load_config(path)
+        config = planner.named_config(path) if named else load_config(path)
         with torch.device("meta"):
             model = Denoiser(config)
         total, active = model.num_parameters()
-        files = checkpoint_files(Path(path))
-        dtypes = sorted({i.dtype for f in files for i in read_header(f).values()})
-        size = sum(f.stat().st_size for f in files)
+        if named:
+            files, dtypes, size, ckpt_quant = [], [], 0, None
+        else:
+            files = checkpoint_files(Path(path))
+            dtypes = sorted({i.dtype for f in files for i in read_header(f).values()})
+            size = sum(f.stat().st_size for f in files)
+            ckpt_quant = read_quant_config(Path(path))
+        schemes = [planner.parse_quant(q) for q in quants] or [planner.parse_quant(ckpt_quant)]
+        if quantize_lm_head:
+            schemes = [s.replace(lm_head=True) if s.quantized else s for s in schemes]
+        cards = [planner.normalize_gpu_name(g) or g for g in gpus]
+        unknown = [g for g in cards if g not in planner.KNOWN_GPUS]
+        if unknown:
+            raise CloverError(f"unknown GPU '{unknown[0]}'; known: {', '.join(planner.KNOWN_GPUS)}")
+        plans = [planner.plan(config, s, context, None, block_size=block_size, _name=Path(path).name)
+                 for s in schemes]
     except CloverError as e:
         _fail(e)
+    if as_json:
+        out = []
+        for p in plans:
+            d = p.to_dict()
+            d["cards"] = {}
+            for k in cards or planner.KNOWN_GPUS:
+                q = planner.plan(config, p.scheme, context, k, block_size=block_size)
+                d["cards"][k] = {"usable_bytes": planner.KNOWN_GPUS[k].usable, "fits": q.fits(),
+                                 "max_context": q.max_context(planner.KNOWN_GPUS[k].usable),
+                                 "suggestions": q.suggestions()}
+            out.append(d)
+        click.echo(json.dumps(out if len(out) > 1 else out[0], indent=2))
+        return
     c = config
+    console = Console()
     table = Table(title=f"{Path(path).name}", show_header=False)
     rows = [
         ("model type", c.model_type),
@@ -210,11 +280,77 @@ def info(path) -> None:
         ("vocabulary", f"{c.vocab_size}" + (" (tied lm_head)" if c.tie_word_embeddings else "")),
         ("context", str(c.max_position_embeddings)),
         ("block diffusion", f"block size {c.block_size or 'not set'}, mask token {c.mask_token_id}"),
-        ("weights", f"{len(files)} file(s), {size / 2**20:.1f} MiB, {', '.join(dtypes)}"),
+        ("weights", f"{len(files)} file(s), {size / 2**20:.1f} MiB, {', '.join(dtypes)}" if files
+         else "none (a named config)"),
     ]
     for k, v in rows:
         table.add_row(k, v)
-    Console().print(table)
+    console.print(table)
+    console.print(_plan_table(plans))
+    console.print(_cards_table(plans, cards, context, block_size))
+    if context > c.max_position_embeddings:
+        console.print(f"note: --context {context} is longer than the model's {c.max_position_embeddings}",
+                      style="yellow", markup=False)
+    console.print("activation workspace:\n" + planner.WORKSPACE_FORMULA, style="dim", markup=False, highlight=False)
+    for key in cards:
+        for p in plans:
+            q = planner.plan(config, p.scheme, context, key, block_size=block_size, _name=p.model)
+            console.print(f"{planner.KNOWN_GPUS[key].name}, {p.scheme.label()}: {q.verdict()}", markup=False,
+                          highlight=False, style="green" if q.fits() else "red")
+            for s in q.suggestions():
+                console.print(f"  - {s}", markup=False, highlight=False)
+
+
+def _plan_table(plans):
+    """Component | bytes per plan | how it is counted (for the last plan: with --quant bf16 --quant int4, the
+    INT4 one's breakdown of qweight / scales / qzeros / g_idx)."""
+    from rich.table import Table
+
+    from ..planner import fmt_bytes
+
+    p0, last = plans[0], plans[-1]
+    title = f"memory plan at {p0.context_len} tokens of context, block {p0.block_size}, activations {p0.dtype}"
+    table = Table(title=title)
+    table.add_column("component")
+    for p in plans:
+        table.add_column(p.scheme.label(), justify="right")
+    table.add_column("how it is counted" + (f" ({last.scheme.label()})" if len(plans) > 1 else ""))
+    names = list(dict.fromkeys(name for p in plans for name, _, _ in p.rows()))
+    for name in names:
+        cells = []
+        for p in plans:
+            match = [b for n, b, _ in p.rows() if n == name]
+            cells.append(fmt_bytes(match[0]) if match else "-")
+        cells.append(next((d for n, _, d in last.rows() if n == name), ""))
+        table.add_row(name, *cells)
+    table.add_row("total", *[fmt_bytes(p.total) for p in plans], "", style="bold")
+    return table
+
+
+def _cards_table(plans, cards, context, block_size):
+    from rich.table import Table
+
+    from .. import planner
+
+    table = Table(title="known cards (usable = capacity - reserve; the total includes the CUDA context)")
+    table.add_column("card")
+    table.add_column("usable", justify="right")
+    for p in plans:
+        table.add_column(p.scheme.label(), justify="center")
+    for key in cards or planner.KNOWN_GPUS:
+        g = planner.KNOWN_GPUS[key]
+        cells = []
+        for p in plans:
+            q = planner.plan(p.config, p.scheme, context, key, block_size=block_size)
+            n = q.max_context(g.usable)
+            if q.fits():
+                cells.append(f"[green]fits[/] (up to {n} tokens)")
+            elif n:
+                cells.append(f"[red]no[/] (up to {n} tokens)")
+            else:
+                cells.append("[red]no[/] (weights too large)")
+        table.add_row(g.name, planner.fmt_bytes(g.usable), *cells)
+    return table
 
 
 @main.command()
@@ -234,13 +370,13 @@ def tiny(out, seed, block_size, force) -> None:
 
 
 def _register() -> None:
-    from .quantize import eval_cmd, quantize
+    """Register every command now (the group also loads them lazily on first use; see LAZY_COMMANDS)."""
+    import importlib
 
-    main.add_command(quantize)
-    main.add_command(eval_cmd)
+    for name, (module, attr) in LAZY_COMMANDS.items():
+        if name not in main.commands:
+            main.add_command(getattr(importlib.import_module(module, __package__), attr), name)
 
-
-_register()
 
 if __name__ == "__main__":
     main()

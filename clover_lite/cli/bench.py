@@ -1,0 +1,362 @@
+"""`clover bench`: what a model does on this machine: tokens/s, tokens per forward, step and commit
+latency, prefill speed and peak memory, on a checkpoint or on a named config with random weights made on
+the device (no download: see what a card will do before fetching 70 GB).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+import torch
+
+from ..errors import CloverError
+from ..planner import (
+    NAMED_CONFIGS,
+    MemoryPlan,
+    MemoryPlanError,
+    fmt_bytes,
+    meta_model,
+    named_config,
+    parse_quant,
+    plan,
+)
+
+ProgressFn = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+# ---- random weights ----------------------------------------------------------------------------
+@torch.no_grad()
+def init_random_(model: torch.nn.Module, seed: int = 0, std: float = 0.02,
+                 progress: ProgressFn | None = None) -> torch.nn.Module:
+    """Fill a materialised model in place, on its device, with weights on the scale of a trained model's:
+    the rules of `clover_lite.tiny.init_random` for float tensors, random nibbles with a symmetric zero of 8
+    and scales giving the same spread for GPTQ tensors, random codes for NF4."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    owners = {f"{n}.{b}" if n else b: m for n, m in model.named_modules() for b, _ in m.named_buffers(recurse=False)}
+    items = list(model.named_parameters()) + list(model.named_buffers())
+    for i, (name, t) in enumerate(items):
+        if t.is_floating_point() and not name.endswith(("scales", "nf4_absmax")):
+            if name.endswith("A_log"):
+                t.copy_(torch.empty(t.shape, device=device).uniform_(1.0, 16.0, generator=gen).log())
+            elif name.endswith("dt_bias"):
+                t.normal_(1.0, 0.1, generator=gen)
+            elif name.endswith("norm.weight") and "linear_attn" in name:
+                t.normal_(1.0, 0.1, generator=gen)
+            elif "norm" in name:
+                t.normal_(0.0, 0.1, generator=gen)
+            elif name.endswith("conv1d.weight"):
+                t.normal_(0.0, 1.0 / math.sqrt(t.shape[-1]), generator=gen)
+            else:
+                t.normal_(0.0, std, generator=gen)
+        elif name.endswith("qweight"):
+            t.copy_(torch.randint(-(2**31), 2**31 - 1, t.shape, generator=gen, device=device, dtype=torch.int32))
+        elif name.endswith("qzeros"):
+            t.fill_(0x77777777)  # symmetric GPTQ v1 (meta_model's format): every nibble holds zero - 1 = 7
+        elif name.endswith("scales"):
+            t.fill_(std / 4.6)  # nibbles - 8 have a standard deviation of ~4.6
+        elif name.endswith("g_idx"):
+            m = owners[name]
+            k = m.in_features
+            t.copy_((torch.arange(k, device=device, dtype=torch.int32) // (k // m.groups)).expand_as(t))
+        elif name.endswith("nf4_weight"):
+            t.copy_(torch.randint(0, 256, t.shape, generator=gen, device=device, dtype=torch.uint8))
+        elif name.endswith("nf4_absmax"):
+            t.fill_(std * 2.5)
+        if progress:
+            progress("initialising random weights", i + 1, len(items))
+    return model
+
+
+def random_model(config, quant: str, device: torch.device, dtype: torch.dtype | None = None, seed: int = 0,
+                 progress: ProgressFn | None = None) -> torch.nn.Module:
+    """The model `load` would build for `config` in format `quant`, allocated on `device` and filled with
+    random weights there (nothing is read from disk)."""
+    from ..kernels import dispatch
+
+    model = meta_model(config, quant, dtype).to_empty(device=device)
+    init_random_(model, seed, progress=progress)
+    model.eval()
+    dispatch.apply(model, dispatch.select(device))  # the kernels load() would pick (Triton on CUDA)
+    return model
+
+
+# ---- measurements ------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "peak CUDA memory allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss * (1 if sys.platform == "darwin" else 1024)), "peak RSS of the process, Python and torch included"
+
+
+def _summary(seconds: list[float]) -> dict:
+    s = sorted(seconds)
+    return {"median_ms": 1e3 * statistics.median(s), "min_ms": 1e3 * s[0],
+            "p90_ms": 1e3 * s[min(len(s) - 1, int(0.9 * len(s)))], "n": len(s)}
+
+
+@torch.no_grad()
+def run_bench(model, block_size: int, mask_token_id: int, prompt_tokens: int = 512, new_tokens: int = 128,
+              steps: int = 16, threshold: float = 0.9, policy: str = "threshold", seed: int = 0,
+              progress: ProgressFn | None = None) -> dict:
+    """Time prefill, single denoising steps and commits, then a whole generation, on random token ids."""
+    from ..generation import CachedRunner, GenerationConfig, StepEvent, denoise
+
+    device = model.embed_tokens.weight.device
+    c = model.config
+    B = block_size
+    gen = torch.Generator().manual_seed(seed)
+    P = max(B, prompt_tokens // B * B)
+
+    def tokens(n: int) -> torch.Tensor:
+        ids = torch.randint(0, c.vocab_size - 1, (1, n), generator=gen)
+        ids[ids >= mask_token_id] += 1  # never the mask token
+        return ids.to(device)
+
+    # Warm-up: first calls allocate and pick kernels.
+    cache = model.new_cache()
+    model.prefill(tokens(B), cache, B)
+    model.step(torch.full((1, B), mask_token_id, device=device), cache, torch.arange(B, device=device))
+    _sync(device)
+
+    cache = model.new_cache()
+    cache.reserve(P + (steps + 1) * B)
+    ids = tokens(P)
+    if progress:
+        progress("prefill", 0, 1)
+    _sync(device)
+    t = time.perf_counter()
+    model.prefill(ids, cache, B)
+    _sync(device)
+    prefill_s = time.perf_counter() - t
+    if progress:
+        progress("prefill", 1, 1)
+
+    masked = torch.full((1, B), mask_token_id, device=device)
+    positions = torch.arange(B, device=device)
+    step_s, commit_s = [], []
+    for i in range(steps):
+        t = time.perf_counter()
+        model.step(masked, cache, positions)
+        _sync(device)
+        step_s.append(time.perf_counter() - t)
+        block = tokens(B)
+        t = time.perf_counter()
+        model.commit(block, cache, B)
+        _sync(device)
+        commit_s.append(time.perf_counter() - t)
+        if progress:
+            progress("denoising steps and commits", i + 1, steps)
+
+    cfg = GenerationConfig(max_new_tokens=new_tokens, block_size=B, threshold=threshold, policy=policy,
+                           ignore_eos=True).resolved(B)
+    runner = CachedRunner(model, B)
+    prompt = tokens(P)[0].tolist()
+    done = 0
+    result = None
+    for event in denoise(runner, prompt, cfg, mask_token_id, (), max_length=None):
+        if isinstance(event, StepEvent):
+            done += len(event.committed)
+            if progress:
+                progress("generation", min(done, new_tokens), new_tokens)
+        elif event.kind == "done":
+            result = event.generation
+    s = result.stats
+    step_med, commit_med = statistics.median(step_s), statistics.median(commit_s)
+    projection = [{"tokens_per_forward": k, "tokens_per_second": k / (step_med + commit_med * k / B)}
+                  for k in (1, 2, 4, 8, 16, 32, 64) if k <= B]
+    return {
+        "block_size": B,
+        "prefill": {"tokens": P, "seconds": prefill_s, "tokens_per_second": P / prefill_s if prefill_s else 0.0},
+        "step": _summary(step_s),
+        "commit": _summary(commit_s),
+        "generation": {"prompt_tokens": P, "new_tokens": s.new_tokens, "seconds": s.seconds - s.prefill_seconds,
+                       "tokens_per_second": s.tokens_per_second, "tokens_per_forward": s.tokens_per_forward,
+                       "forwards": s.forwards, "commit_forwards": s.commit_forwards, "policy": policy,
+                       "threshold": threshold},
+        "projection": projection,
+    }
+
+
+# ---- output ------------------------------------------------------------------------------------
+def _table(report: dict):
+    from rich.table import Table
+
+    r = report
+    g = r["generation"]
+    table = Table(title=f"clover bench: {r['model']}", show_header=False)
+    table.add_row("setup", f"{r['quant']}, {r['dtype']}, block {r['block_size']}, {r['kernels']} kernels, on "
+                           f"{r['device_name']}")
+    table.add_row("generation", f"{g['tokens_per_second']:.1f} tok/s, {g['tokens_per_forward']:.2f} tokens/forward "
+                                f"({g['new_tokens']} tokens, {g['forwards']} forwards, {g['policy']} "
+                                f"{g['threshold']})")
+    for key, label in (("step", "step latency"), ("commit", "commit latency")):
+        s = r[key]
+        table.add_row(label, f"{s['median_ms']:.2f} ms median (min {s['min_ms']:.2f}, p90 {s['p90_ms']:.2f}, "
+                             f"n {s['n']})")
+    p = r["prefill"]
+    table.add_row("prefill", f"{p['tokens_per_second']:.0f} tok/s ({p['tokens']} tokens in {p['seconds']:.3f} s)")
+    table.add_row("peak memory", f"{fmt_bytes(r['peak_memory_bytes'])} ({r['peak_memory_kind']}); planned "
+                                 f"{fmt_bytes(r['plan']['total_bytes'])}")
+    proj = ", ".join(f"{x['tokens_per_forward']}: {x['tokens_per_second']:.0f}" for x in r["projection"])
+    table.add_row("tok/s at k tokens/forward", proj + "  (from the median step and commit latencies)")
+    if r.get("random_weights"):
+        table.add_row("note", "random weights: text is noise and a threshold policy commits ~1 token per forward; "
+                              "the projection shows the speed at the tokens/forward a trained model reaches")
+    return table
+
+
+def write_plot(report: dict, path: Path) -> str | None:
+    """A PNG of projected tokens/s against tokens per forward; None (and a message) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ("--plot needs matplotlib, which is not a dependency of clover-lite (pip install matplotlib); "
+                "the JSON has the same numbers")
+    xs = [p["tokens_per_forward"] for p in report["projection"]]
+    ys = [p["tokens_per_second"] for p in report["projection"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, ys, marker="o", label="projected from step + commit latency")
+    g = report["generation"]
+    ax.scatter([g["tokens_per_forward"]], [g["tokens_per_second"]], color="red", zorder=3, label="measured")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per forward")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"{report['model']} ({report['quant']}) on {report['device_name']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _check_plan(p: MemoryPlan, device: torch.device) -> None:
+    if device.type == "cuda" and not p.fits():
+        raise MemoryPlanError(f"not building the model: it would run out of GPU memory.\n{p.message()}")
+    if device.type == "cpu" and p.target.capacity and p.weight_bytes > p.target.capacity:
+        raise MemoryPlanError(f"not building the model: the weights ({fmt_bytes(p.weight_bytes)}) exceed the "
+                              f"available RAM ({fmt_bytes(p.target.capacity)}).\n{p.message()}")
+
+
+@click.command()
+@click.option("--model", "-m", "model_path", type=click.Path(), default=None, help="A model directory.")
+@click.option("--config", "config_name", type=click.Choice(sorted(NAMED_CONFIGS)), default=None,
+              help="A named config instead of a checkpoint (needs --random-weights).")
+@click.option("--random-weights", is_flag=True, help="Random weights made on the device: nothing is downloaded.")
+@click.option("--quant", type=click.Choice(["bf16", "fp16", "fp32", "int4", "nf4"]), default=None,
+              help="Weight format with --random-weights (default: bf16 on a GPU, fp32 on a CPU). int4 = GPTQ.")
+@click.option("--group-size", type=int, default=128, show_default=True, help="INT4 group size (random weights).")
+@click.option("--device", default="auto", show_default=True)
+@click.option("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU).")
+@click.option("--block-size", type=int, default=None, help="Block size (default: the model's).")
+@click.option("--prompt-tokens", type=int, default=512, show_default=True)
+@click.option("--new-tokens", type=int, default=128, show_default=True)
+@click.option("--steps", type=int, default=16, show_default=True, help="Timed denoising steps and commits.")
+@click.option("--threshold", type=float, default=0.9, show_default=True)
+@click.option("--policy", type=click.Choice(["threshold", "fixed"]), default="threshold", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_path", type=click.Path(), default=None,
+              help="Where to write the results (default: clover-bench-NAME-QUANT.json).")
+@click.option("--plot", "plot_path", type=click.Path(), default=None,
+              help="Also write a PNG (needs matplotlib, not a dependency).")
+def bench(model_path, config_name, random_weights, quant, group_size, device, dtype, block_size, prompt_tokens,
+          new_tokens, steps, threshold, policy, seed, json_path, plot_path) -> None:
+    """Measure tokens/s, tokens per forward, step and commit latency, prefill speed and peak memory.
+
+    On a checkpoint (--model) or on a named config with random weights generated on the device
+    (--config clover-35b-a3b --random-weights --quant int4): see what a card does before downloading."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..engine import resolve_device, resolve_dtype
+    from .main import _fail, load_with_progress
+
+    err = Console(stderr=True)
+    try:
+        if (model_path is None) == (config_name is None):
+            raise CloverError("give either --model PATH or --config NAME --random-weights")
+        if config_name is not None and not random_weights:
+            raise CloverError(f"the named config '{config_name}' has no weights: add --random-weights")
+        if model_path is not None and quant is not None:
+            raise CloverError("--quant applies to --random-weights; a checkpoint's format is its own "
+                              "(clover quantize makes an INT4 one)")
+        if min(prompt_tokens, new_tokens, steps) < 1:
+            raise CloverError("--prompt-tokens, --new-tokens and --steps must be >= 1")
+        dev = resolve_device(device)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+            tasks: dict[str, int] = {}
+
+            def progress(stage: str, done: int, total: int) -> None:
+                if stage not in tasks:
+                    tasks[stage] = bar.add_task(stage, total=total)
+                bar.update(tasks[stage], completed=done, total=total)
+
+            if config_name is not None:
+                cfg = named_config(config_name)
+                q = quant or ("fp32" if dev.type == "cpu" else "bf16")
+                scheme = parse_quant(f"int4-g{group_size}" if q == "int4" else q)
+                dt = resolve_dtype(dtype, dev) if scheme.quantized or dtype else None
+                B = block_size or cfg.block_size or 4
+                p = plan(cfg, scheme, prompt_tokens + new_tokens + (steps + 1) * B, dev, block_size=B, dtype=dt,
+                         _name=config_name)
+                _check_plan(p, dev)
+                progress("initialising random weights", 0, 1)
+                model = random_model(cfg, scheme, dev, dt, seed, progress)
+                name, mask_id, label = config_name, cfg.mask_token_id, scheme.label()
+            else:
+                engine = load_with_progress(model_path, device=dev, dtype=dtype)
+                model, cfg = engine.model, engine.config
+                B = block_size or cfg.block_size or 4
+                p = plan(model_path, None, prompt_tokens + new_tokens + (steps + 1) * B, dev, block_size=B,
+                         dtype=model.embed_tokens.weight.dtype)
+                name, mask_id, label = Path(model_path).name, engine.mask_token_id, p.scheme.label()
+                if mask_id is None:
+                    raise CloverError(f"{model_path}: the model has no mask token; it cannot be benchmarked")
+            report = run_bench(model, B, mask_id, prompt_tokens, new_tokens, steps, threshold, policy, seed,
+                               progress)
+    except CloverError as e:
+        _fail(e)
+    peak, kind = peak_memory(dev)
+    report.update({
+        "model": name, "random_weights": config_name is not None, "quant": label,
+        "dtype": str(model.embed_tokens.weight.dtype).replace("torch.", ""), "device": str(dev),
+        "device_name": _device_name(dev), "torch": torch.__version__, "peak_memory_bytes": peak,
+        "peak_memory_kind": kind, "plan": p.to_dict(), "kernels": getattr(model, "backend", "torch"),
+    })
+    Console().print(_table(report))
+    out = Path(json_path or f"clover-bench-{name}-{p.scheme.kind}.json")
+    out.write_text(json.dumps(report, indent=2, default=str))
+    click.echo(f"wrote {out}", err=True)
+    if plot_path:
+        msg = write_plot(report, Path(plot_path))
+        click.echo(msg if msg else f"wrote {plot_path}", err=True)
+
+
+__all__ = ["bench", "run_bench", "random_model", "init_random_", "write_plot", "peak_memory"]

@@ -1,0 +1,76 @@
+"""`clover bench`, run as a user runs it (the installed console script), on random weights."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+
+def clover(*args, cwd=None):
+    exe = shutil.which("clover")
+    cmd = [exe] if exe else [sys.executable, "-m", "clover_lite.cli.main"]
+    env = dict(os.environ, COLUMNS="160", OMP_NUM_THREADS="1")
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120, env=env, cwd=cwd)
+
+
+FAST = ("--prompt-tokens", "32", "--new-tokens", "12", "--steps", "3")
+
+
+def test_bench_tiny_random_weights(tmp_path):
+    r = clover("bench", "--config", "tiny", "--random-weights", *FAST, "--plot", str(tmp_path / "p.png"),
+               cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    for word in ("clover bench: tiny", "tok/s", "tokens/forward", "step latency", "commit latency", "prefill",
+                 "peak memory", "random weights"):
+        assert word in r.stdout, word
+    out = tmp_path / "clover-bench-tiny-fp32.json"
+    assert f"wrote {out.name}" in r.stderr
+    data = json.loads(out.read_text())
+    assert data["random_weights"] and data["quant"] == "fp32" and data["block_size"] == 4
+    assert data["generation"]["new_tokens"] == 12 and data["generation"]["tokens_per_second"] > 0
+    assert data["step"]["n"] == 3 and data["step"]["median_ms"] > 0 and data["prefill"]["tokens"] == 32
+    assert data["peak_memory_bytes"] > data["plan"]["weight_bytes"] > 0
+    assert [p["tokens_per_forward"] for p in data["projection"]] == [1, 2, 4]
+    try:
+        import matplotlib  # noqa: F401
+
+        assert (tmp_path / "p.png").exists()
+    except ImportError:
+        assert "needs matplotlib, which is not a dependency" in r.stderr
+
+
+def test_bench_tiny_int4(tmp_path):
+    r = clover("bench", "--config", "tiny", "--random-weights", "--quant", "int4", *FAST, "--json",
+               str(tmp_path / "b.json"))
+    assert r.returncode == 0, r.stderr
+    assert "INT4 GPTQ g128" in r.stdout and "step latency" in r.stdout
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["plan"]["weights"]["routed experts"].keys() == {"qweight", "qzeros", "scales", "g_idx"}
+
+
+def test_bench_argument_errors_and_refusal(monkeypatch):
+    import clover_lite.planner as planner
+    from clover_lite.cli.main import main
+
+    runner = CliRunner()
+    r = runner.invoke(main, ["bench", "--config", "tiny"])
+    assert r.exit_code == 1 and "--random-weights" in r.output
+    r = runner.invoke(main, ["bench"])
+    assert r.exit_code == 1 and "either --model PATH or --config NAME" in r.output
+    # A model that does not fit is refused with the plan before anything is allocated.
+    monkeypatch.setattr(planner, "available_ram", lambda: 2 * 2**30)
+    r = runner.invoke(main, ["bench", "--config", "clover-35b-a3b", "--random-weights", "--quant", "int4",
+                             "--device", "cpu"])
+    assert r.exit_code == 1 and "exceed the available RAM" in r.output and "on a GPU it fits" in r.output
+
+
+def test_bench_on_a_checkpoint(tiny_dir, tmp_path):
+    from clover_lite.cli.main import main
+
+    r = CliRunner().invoke(main, ["bench", "--model", str(tiny_dir), *FAST, "--json", str(tmp_path / "c.json")])
+    assert r.exit_code == 0, r.output
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert not data["random_weights"] and data["generation"]["new_tokens"] == 12
