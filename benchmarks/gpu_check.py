@@ -205,20 +205,29 @@ def main(argv=None) -> int:
         except Exception as e:  # report every check, then fail
             traceback.print_exc()
             results.append((name, "FAIL", str(e)[:100], time.time() - t))
-    bench = "skipped"
+    benches = []
     if not args.no_bench:
-        cmd = [sys.executable, str(HERE / "kernels.py")] + (["--smoke"] if smoke else [])
-        try:
-            r = subprocess.run(cmd, timeout=args.bench_timeout, text=True, capture_output=True)
-            print(r.stdout, r.stderr, sep="\n")
-            bench = "ok (benchmarks/out/kernels.json)" if r.returncode == 0 else f"exit {r.returncode}"
-        except subprocess.TimeoutExpired:
-            bench = f"timed out after {args.bench_timeout} s"
+        out = HERE / "out"
+        out.mkdir(exist_ok=True)
+        runs = [("kernels", [str(HERE / "kernels.py")] + (["--smoke"] if smoke else [])),
+                ("step", [str(HERE / "step.py"), "--json", str(out / "step.json")]
+                 + (["--contexts", "32", "--reps", "2"] if smoke else []))]
+        budget = args.bench_timeout
+        for name, cmd in runs:
+            t = time.time()
+            try:
+                r = subprocess.run([sys.executable, *cmd], timeout=max(30, budget), text=True, capture_output=True)
+                print(r.stdout, r.stderr, sep="\n")
+                benches.append((name, "ok" if r.returncode == 0 else f"exit {r.returncode}"))
+            except subprocess.TimeoutExpired:
+                benches.append((name, f"timed out after {budget} s"))
+            budget -= int(time.time() - t)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
     print(f"\n== gpu_check on {card}, {time.strftime('%Y-%m-%d')}, {time.time() - t0:.0f} s ==")
     for name, status, detail, secs in results:
         print(f"{status:>4}  {name:<32} {detail:<40} {secs:6.1f} s")
-    print(f"{'':>4}  {'benchmarks':<32} {bench}")
+    for name, status in benches or [("benchmarks", "skipped")]:
+        print(f"{'':>4}  {name + ' benchmark':<32} {status} (benchmarks/out/)")
     return 0 if all(s == "ok" for _, s, _, _ in results) else 1
 
 

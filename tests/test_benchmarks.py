@@ -48,3 +48,14 @@ def test_kernel_benchmark_and_gpu_check_smoke(tmp_path, monkeypatch):
     check = runpy.run_path(str(BENCH / "gpu_check.py"), run_name="bench")
     # The whole-model check is covered by tests/test_kernels_model.py; here the per-kernel checks.
     assert check["main"](["--smoke", "--no-bench", "--checks", "matmul", "MoE", "attention", "GDN", "sampling"]) == 0
+
+
+def test_step_benchmark_runs(tmp_path, monkeypatch):
+    out = tmp_path / "step.json"
+    monkeypatch.setattr(sys, "argv", ["step.py", "--contexts", "16", "40", "--reps", "1", "--json", str(out)])
+    assert runpy.run_path(str(BENCH / "step.py"), run_name="bench")["main"]() == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["context"] for r in rows] == [16, 40]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["commit_ms"] > 0 and 0 <= r["outside_weight_reads"] <= 1
+        assert r["attention_ms"] + r["GDN_ms"] + r["MoE_ms"] <= r["step_ms"] * 1.05

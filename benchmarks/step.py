@@ -1,0 +1,196 @@
+"""One denoising step and one commit, at several context lengths, split by component.
+
+A model with random weights is built on the device (no download): the Clover-35B-A3B config in INT4 on a
+GPU, the tiny config on a CPU. For each context length the cache is filled to that length, then a step
+(the block's masked positions -> logits -> tokens) and a commit are timed, with the time of each component
+(attention, GDN, MoE, lm_head + sampling) taken by hooks around the modules. The weight-read floor is the
+bytes a step must read (every non-expert weight, the experts a block touches, the lm_head, the KV cache)
+over the measured copy bandwidth; "outside weight reads" is the part of the step above that floor.
+
+    python benchmarks/step.py                                # GPU: clover-35b-a3b int4 at 1K, 8K, 32K
+    python benchmarks/step.py --config tiny --contexts 64 256 --json out.json
+CUDA graphs of the step are not implemented yet: every number here is the eager path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from clover_lite import planner
+from clover_lite.cli.bench import random_model
+from clover_lite.models.attention import GatedAttention
+from clover_lite.models.gdn import GatedDeltaNet
+from clover_lite.models.moe import SparseMoE
+from clover_lite.sampling import choose
+
+COMPONENTS = ("attention", "GDN", "MoE")
+
+
+class ComponentTimer:
+    """Wall time per module kind, summed over a forward (CUDA events on a GPU)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.device, self.spans, self.handles = device, {k: [] for k in COMPONENTS}, []
+        kinds = {GatedAttention: "attention", GatedDeltaNet: "GDN", SparseMoE: "MoE"}
+        for m in model.modules():
+            kind = next((v for k, v in kinds.items() if isinstance(m, k)), None)
+            if kind:
+                self.handles.append(m.register_forward_pre_hook(self._start(kind)))
+                self.handles.append(m.register_forward_hook(self._stop(kind)))
+        self.open: dict[str, object] = {}
+
+    def _now(self):
+        if self.device.type == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def _start(self, kind):
+        return lambda m, args: self.open.__setitem__(kind, self._now())
+
+    def _stop(self, kind):
+        return lambda m, args, out: self.spans[kind].append((self.open[kind], self._now()))
+
+    def totals(self) -> dict[str, float]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            out = {k: sum(a.elapsed_time(b) / 1e3 for a, b in v) for k, v in self.spans.items()}
+        else:
+            out = {k: sum(b - a for a, b in v) for k, v in self.spans.items()}
+        for v in self.spans.values():
+            v.clear()
+        return out
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def weight_read_bytes(config, quant: str, block: int, context: int, dtype: str) -> int:
+    """Bytes one step must read: weights (only the experts a block of `block` tokens touches), lm_head
+    (for the masked rows), the KV cache at `context` and the GDN state."""
+    cats = planner.weight_bytes(config, planner.parse_quant(quant), dtype)
+    per = {k: sum(v.values()) for k, v in cats.items()}
+    E, k = config.num_experts, config.num_experts_per_tok
+    touched = E * (1 - (1 - k / E) ** block) if E else 0
+    experts = per.pop("routed experts", 0) * (touched / E if E else 0)
+    per.pop("embeddings", None)  # a step reads only B rows of it
+    return int(sum(per.values()) + experts + planner.kv_bytes_per_token(config, dtype) * context
+               + planner.gdn_state_bytes(config, dtype))
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    n = (1 << 30) if device.type == "cuda" else (1 << 26)
+    a, b = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    for _ in range(3):
+        b.copy_(a)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    sync(device)
+    return 2 * n * 10 / (time.perf_counter() - t)
+
+
+@torch.no_grad()
+def measure(model, context: int, block: int, mask_id: int, reps: int, device) -> dict:
+    c = model.config
+    gen = torch.Generator().manual_seed(context)
+    ids = torch.randint(0, mask_id, (1, context), generator=gen).to(device)
+    cache = model.new_cache()
+    cache.reserve(context + block)
+    model.prefill(ids, cache, block, chunk_tokens=2048)
+    masked = torch.full((1, block), mask_id, device=device)
+    positions = torch.arange(block, device=device)
+    final = torch.randint(0, mask_id, (1, block), generator=gen).to(device)
+    timer = ComponentTimer(model, device)
+    steps, commits, parts, heads = [], [], [], []
+    for i in range(reps + 2):  # two warm-ups
+        sync(device)
+        t0 = time.perf_counter()
+        hidden, _ = model._run(masked, cache.length, None, cache, need_states=False)
+        sync(device)
+        t1 = time.perf_counter()
+        logits = model.logits(hidden[:, positions])
+        choose(logits[0], confidence="prob", banned_token_id=mask_id)
+        sync(device)
+        t2 = time.perf_counter()
+        comp = timer.totals()
+        before = cache.length
+        model.commit(final, cache, block)
+        sync(device)
+        t3 = time.perf_counter()
+        timer.totals()
+        cache.length = before  # undo the commit so every repetition sees the same context
+        if i >= 2:
+            steps.append(t2 - t0)
+            heads.append(t2 - t1)
+            commits.append(t3 - t2)
+            parts.append(comp)
+    timer.close()
+    med = statistics.median
+    return {
+        "context": context, "step_ms": 1e3 * med(steps), "commit_ms": 1e3 * med(commits),
+        **{f"{k}_ms": 1e3 * med(p[k] for p in parts) for k in COMPONENTS},
+        "lm_head_sampling_ms": 1e3 * med(heads),
+        "layers": {k: sum(1 for t in c.layer_types if (t == "full_attention") == (k == "attention"))
+                   for k in ("attention", "GDN")},
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=None, help="named config (default: clover-35b-a3b on a GPU, tiny on CPU)")
+    ap.add_argument("--quant", default=None, help="int4 | bf16 (default: int4 on a GPU, fp32 on CPU)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None)
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = device.type == "cuda"
+    name = args.config or ("clover-35b-a3b" if gpu else "tiny")
+    quant = args.quant or ("int4" if gpu else "fp32")
+    contexts = args.contexts or ([1024, 8192, 32768] if gpu else [64, 256])
+    config = planner.named_config(name)
+    block = args.block_size or config.block_size or 32
+    dtype = torch.bfloat16 if gpu else torch.float32
+    model = random_model(config, quant, device, dtype)
+    mask_id = config.mask_token_id if config.mask_token_id is not None else config.vocab_size - 1
+    bw = copy_bandwidth(device)
+    card = torch.cuda.get_device_name(device) if gpu else "cpu"
+    rows = []
+    for n in contexts:
+        r = measure(model, n, block, mask_id, args.reps, device)
+        floor = weight_read_bytes(config, quant, block, n, "bf16" if gpu else "fp32") / bw
+        r["weight_floor_ms"] = 1e3 * floor
+        r["outside_weight_reads"] = max(0.0, 1 - floor / (r["step_ms"] / 1e3))
+        rows.append(r)
+    print(f"{name} ({quant}) on {card}, block {block}, copy bandwidth {bw / 1e9:.0f} GB/s, eager (no CUDA graph)")
+    print(f"{'context':>8} {'step ms':>8} {'commit ms':>10} {'attn':>7} {'GDN':>7} {'MoE':>7} {'head+samp':>10} "
+          f"{'floor ms':>9} {'outside':>8}")
+    for r in rows:
+        print(f"{r['context']:>8} {r['step_ms']:>8.2f} {r['commit_ms']:>10.2f} {r['attention_ms']:>7.2f} "
+              f"{r['GDN_ms']:>7.2f} {r['MoE_ms']:>7.2f} {r['lm_head_sampling_ms']:>10.2f} {r['weight_floor_ms']:>9.3f} "
+              f"{100 * r['outside_weight_reads']:>7.0f}%")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": name, "quant": quant, "card": card, "block": block,
+                                               "copy_GBps": bw / 1e9, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
