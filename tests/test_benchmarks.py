@@ -59,3 +59,16 @@ def test_step_benchmark_runs(tmp_path, monkeypatch):
     for r in rows:
         assert r["step_ms"] > 0 and r["commit_ms"] > 0 and 0 <= r["outside_weight_reads"] <= 1
         assert r["attention_ms"] + r["GDN_ms"] + r["MoE_ms"] <= r["step_ms"] * 1.05
+
+
+def test_kernels_compile_for_a_gpu_target():
+    """The Triton compiler (no GPU needed) builds the heaviest kernel variants for sm_86, the architecture
+    with the least shared memory, within its limit: what the interpreter cannot check (tl.dot shapes and
+    types, register and shared-memory allocation)."""
+    import subprocess
+
+    only = ["M<=16 moe gate/up g_idx", "gemv moe", "gdn block commit", "sampling sample", "attention D256 split"]
+    cmd = [sys.executable, str(BENCH / "compile_check.py"), "--archs", "sm_86", "--quick", "--only", *only]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("ok   sm_86") == 5

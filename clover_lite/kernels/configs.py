@@ -36,7 +36,9 @@ class GemmConfig:
 
     def smem_bytes(self, act_bytes: int = 2) -> int:
         """Pipelined loads per stage (activation tile [BM, BK], packed weights [BK/8, BN] int32) plus one
-        dequantized operand tile [BK, BN] for tl.dot."""
+        dequantized operand tile [BK, BN] for tl.dot: the path without an act-order g_idx. With one, scales
+        and zeros are gathered per element and the compiler stages more (benchmarks/compile_check.py
+        measures the real figure for every configuration and architecture)."""
         per_stage = self.block_m * self.block_k * act_bytes + self.block_k * self.block_n // 2
         return self.num_stages * per_stage + self.block_k * self.block_n * act_bytes
 
