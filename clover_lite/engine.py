@@ -68,7 +68,12 @@ class Engine:
         path: Path | None = None,
         mask_token_id: int | None = None,
         load_report: LoadReport | None = None,
+        context: int | None = None,
+        static_step: bool | None = None,
     ):
+        """`static_step` (default: on CUDA with the Triton kernels) keeps one cache of `context` positions
+        (default: the model's limit, at most 32768) and a CUDA graph of the denoising step for the model's
+        block size, captured here; on a CPU it runs the same static step eagerly (tests)."""
         self.model = model
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -84,6 +89,26 @@ class Engine:
         self.default_config = GenerationConfig(block_size=self.config.block_size)
         self._lock = threading.Lock()
         self._owner: int | None = None
+        self._cache, self._static = None, None
+        if static_step is None:
+            static_step = self.device.type == "cuda" and getattr(model, "backend", "torch") == "triton"
+        if static_step:
+            self._build_static(context or min(self.config.max_position_embeddings, 32768))
+
+    def _build_static(self, context: int) -> None:
+        from .graph import StaticStep
+
+        block = self.default_config.resolved(self.config.block_size).block_size
+        self._cache = self.model.new_cache(capacity=context)
+        self._static = StaticStep(self.model, self._cache, block)
+        if self.device.type == "cuda":
+            try:
+                self._static.capture()
+            except Exception as e:  # a failed capture costs speed, not correctness: fall back to the eager step
+                import warnings
+
+                warnings.warn(f"CUDA graph capture failed ({e}); the denoising step runs eagerly", stacklevel=2)
+                self._static = None
 
     @property
     def device(self) -> torch.device:
@@ -141,7 +166,8 @@ class Engine:
         with self._lock:
             self._owner = me
             try:
-                runner = CachedRunner(self.model, cfg.block_size, commit=cfg.commit)
+                runner = CachedRunner(self.model, cfg.block_size, commit=cfg.commit, cache=self._cache,
+                                      static_step=self._static)
                 yield from denoise(
                     runner, ids, cfg, self.mask_token_id, self.eos_token_ids,
                     decode=self.decode, max_length=self.config.max_position_embeddings,
@@ -164,13 +190,18 @@ def load(
     mask_token_id: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     check_memory: bool = True,
+    context: int | None = None,
+    kernels: str | None = None,
+    static_step: bool | None = None,
 ) -> Engine:
     """Load a model directory (Hugging Face layout: config.json, safetensors, tokenizer files).
 
     `path` None loads the bundled default model. `device` "auto" picks CUDA when present; `dtype` None
     means fp32 on CPU and bf16 on a GPU. `check_memory` plans the model's memory first (clover_lite.plan) and
     refuses with the plan instead of running out of memory halfway: on CUDA against the free memory, on CPU
-    only when the weights alone exceed the available RAM.
+    only when the weights alone exceed the available RAM. `kernels` (auto|torch|triton) overrides
+    $CLOVER_KERNELS; `context` and `static_step` are the engine's (see Engine): on CUDA with the Triton
+    kernels the denoising step is captured once as a CUDA graph over a cache of `context` positions.
     """
     model_path = Path(path) if path is not None else default_model_path()
     if not model_path.exists():
@@ -184,8 +215,8 @@ def load(
         from .planner import check_load
 
         check_load(model_path, config, dev, dt)
-    model, report = load_model(model_path, config, dev, dt, progress)
+    model, report = load_model(model_path, config, dev, dt, progress, kernels=kernels)
     tokenizer = None
     if any((model_path / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
         tokenizer = Tokenizer.from_dir(model_path)
-    return Engine(model, tokenizer, model_path, mask_token_id, report)
+    return Engine(model, tokenizer, model_path, mask_token_id, report, context=context, static_step=static_step)

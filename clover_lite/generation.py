@@ -164,16 +164,29 @@ Event = StepEvent | BlockEvent | DoneEvent
 class CachedRunner:
     """Scores blocks against a DenoiseCache: the committed past is run once."""
 
-    def __init__(self, model: Denoiser, block_size: int, commit: str = "exact", prefill_chunk: int = 2048):
+    def __init__(self, model: Denoiser, block_size: int, commit: str = "exact", prefill_chunk: int = 2048,
+                 cache=None, static_step=None):
+        """`cache` (reset here) and `static_step` (a graph.StaticStep over that cache) come from an engine that
+        keeps them across generations; the static step serves full blocks of its block size."""
         self.model = model
         self.block_size = block_size
         self.commit_mode = commit
         self.prefill_chunk = prefill_chunk
         self.device = model.embed_tokens.weight.device
-        self.cache = model.new_cache()
+        self.persistent = cache is not None
+        self.cache = cache if cache is not None else model.new_cache()
+        self.cache.reset()
+        use_static = static_step is not None and static_step.block_size == block_size and commit == "exact"
+        self.static = static_step if use_static else None
         self._last_updates = None
 
     def reserve(self, total: int) -> None:
+        if self.persistent and total > self.cache.capacity:
+            # Growing the engine's cache would move the buffers its captured graph points at.
+            raise GenerationError(
+                f"this engine's cache holds {self.cache.capacity} positions and {total} are needed; "
+                "load with a larger context (clover_lite.load(..., context=N))"
+            )
         self.cache.reserve(total)
 
     def _ids(self, ids: Sequence[int]) -> torch.Tensor:
@@ -187,6 +200,8 @@ class CachedRunner:
     @torch.no_grad()
     def step(self, block: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         pos = torch.tensor(list(positions), dtype=torch.long, device=self.device)
+        if self.static is not None and len(block) == self.block_size:
+            return self.static(self._ids(block))[0, pos]
         logits, updates = self.model.step(self._ids(block), self.cache, pos, keep_updates=self.commit_mode == "reuse")
         self._last_updates = updates
         return logits[0]

@@ -201,3 +201,23 @@ def test_every_attention_config_fits_its_architecture():
     c = configs.INTERPRET_ATTENTION
     assert min(c.block_m, c.block_n, c.merge_rows) >= 16 and pow2(c.block_m) and pow2(c.block_n)
     assert c.block_m >= 8 * 64  # under the interpreter one row tile holds 8 heads x 64 positions
+
+
+def test_cache_length_read_from_device_memory():
+    """The CUDA-graph form: the length is a device tensor and the number of splits fixed for the whole
+    capacity (trailing splits empty for a short cache); results equal the int-length kernel."""
+    from clover_lite.kernels.attention import block_attention
+
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(1, 4, 4, 32, generator=g)
+    kc, vc = torch.randn(1, 2, 300, 32, generator=g), torch.randn(1, 2, 300, 32, generator=g)
+    kb, vb = torch.randn(1, 2, 4, 32, generator=g), torch.randn(1, 2, 4, 32, generator=g)
+    gate = torch.randn(1, 4, 128, generator=g)
+    for n in (0, 1, 77, 300):
+        want = block_attention(q, kc, vc, kb, vb, n, gate=gate)
+        for splits in (1, 3, 8):
+            got = block_attention(q, kc, vc, kb, vb, torch.tensor([n], dtype=torch.int32), gate=gate,
+                                  num_splits=splits)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="num_splits"):
+        block_attention(q, kc, vc, kb, vb, torch.tensor([3]))

@@ -71,7 +71,7 @@ def _store_out(o, g_row, o_row, head, row_ok, offs_d, d_ok, D, gate_ptr, out_ptr
 @triton.jit
 def _block_attn_kernel(
     q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, gate_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr,
-    cache_len, keys_per_split, num_splits, qk_scale, Hq, Hkv, L, D, GROUP, ROWS, n_rows,
+    cache_len, cache_len_ptr, keys_per_split, num_splits, qk_scale, Hq, Hkv, L, D, GROUP, ROWS, n_rows,
     s_qb, s_qh, s_ql, s_qd,
     s_kcb, s_kch, s_kcn, s_kcd,
     s_vcb, s_vch, s_vcn, s_vcd,
@@ -79,8 +79,13 @@ def _block_attn_kernel(
     s_vbb, s_vbh, s_vbn, s_vbd,
     s_gb, s_gl, s_gc, s_ob, s_ol, s_oc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_GATE: tl.constexpr, DOT_IEEE: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_GATE: tl.constexpr, DOT_IEEE: tl.constexpr, LEN_IN_MEMORY: tl.constexpr,
 ):
+    if LEN_IN_MEMORY:
+        # The cache length is read from device memory (a CUDA graph replays with the length of the moment);
+        # the splits are then sized here, each a whole number of BLOCK_N steps, trailing ones possibly empty.
+        cache_len = tl.load(cache_len_ptr).to(tl.int32)
+        keys_per_split = tl.cdiv(tl.cdiv(cache_len, num_splits), BLOCK_N) * BLOCK_N
     # Row tiles vary fastest, so the programs reading the same keys run next to each other (L2 reuse).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     pid_s = tl.program_id(1)
@@ -194,14 +199,24 @@ def _check_args(q, k_cache, v_cache, k_block, v_block, cache_len, scale, gate, n
     for name in ("k_block", "v_block"):
         if tuple(named[name].shape) != (b, Hkv, L, D):
             raise ValueError(f"{name} must be [b, Hkv, L, D] = {(b, Hkv, L, D)}, got {tuple(named[name].shape)}")
-    if isinstance(cache_len, bool):
-        raise ValueError("cache_len must be an int")
-    try:
-        cache_len = operator.index(cache_len)
-    except TypeError:
-        raise ValueError(f"cache_len must be an int, got {type(cache_len).__name__}") from None
-    if not 0 <= cache_len <= cap:
-        raise ValueError(f"cache_len must be in 0..capacity ({cap}), got {cache_len}")
+    if isinstance(cache_len, torch.Tensor):
+        # Read on the device by the kernel: its value is the caller's promise (0..capacity), unchecked here
+        # because checking would wait for the device (and cannot happen inside a CUDA graph).
+        if cache_len.numel() != 1 or cache_len.dtype not in (torch.int32, torch.int64):
+            raise ValueError("a tensor cache_len must hold one int32/int64 value")
+        if cache_len.device != q.device:
+            raise ValueError(f"cache_len is on {cache_len.device} but q is on {q.device}")
+        if num_splits is None:
+            raise ValueError("with a tensor cache_len, give num_splits (the grid cannot depend on the length)")
+    else:
+        if isinstance(cache_len, bool):
+            raise ValueError("cache_len must be an int")
+        try:
+            cache_len = operator.index(cache_len)
+        except TypeError:
+            raise ValueError(f"cache_len must be an int, got {type(cache_len).__name__}") from None
+        if not 0 <= cache_len <= cap:
+            raise ValueError(f"cache_len must be in 0..capacity ({cap}), got {cache_len}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
     if gate is not None:
@@ -264,14 +279,16 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_block: torch.Tensor,
-                    v_block: torch.Tensor, cache_len: int, scale: float | None = None,
+                    v_block: torch.Tensor, cache_len: int | torch.Tensor, scale: float | None = None,
                     gate: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
     """Attention of a denoising block over the committed cache and itself, all keys visible to all queries.
 
     q [b, Hq, L, D]; k_cache, v_cache [b, Hkv, capacity, D] of which the first cache_len positions are valid
     (the rest is never read); k_block, v_block [b, Hkv, L, D]; scale defaults to D**-0.5; gate [b, L, Hq*D]
     multiplies the output by sigmoid(gate). num_splits (KV splits, flash-decoding) is chosen from cache_len
-    when None. Returns [b, L, Hq*D] in q's dtype (the layout o_proj takes). L <= 64, Hq % Hkv == 0,
+    when None. cache_len may be a one-element int tensor on the device (then num_splits is required): the
+    kernel reads it, so a captured CUDA graph replays with the current length. Returns [b, L, Hq*D] in q's
+    dtype (the layout o_proj takes). L <= 64, Hq % Hkv == 0,
     D a multiple of 16 up to 256; fp16, bf16 or fp32, every input the same dtype, fp32 accumulation.
     """
     b, Hq, Hkv, L, D, cap, cache_len = _check_args(q, k_cache, v_cache, k_block, v_block, cache_len, scale, gate,
@@ -280,9 +297,11 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError("the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tests)")
     out_dtype = q.dtype
     cdt = _compute_dtype(q)
+    in_memory = isinstance(cache_len, torch.Tensor)
     if cdt != q.dtype:  # interpreter only: fp32 copies of what the kernel reads
         q, k_block, v_block = q.to(cdt), k_block.to(cdt), v_block.to(cdt)
-        k_cache, v_cache = k_cache[:, :, :cache_len].to(cdt), v_cache[:, :, :cache_len].to(cdt)
+        n = cap if in_memory else cache_len
+        k_cache, v_cache = k_cache[:, :, :n].to(cdt), v_cache[:, :, :n].to(cdt)
         gate = None if gate is None else gate.to(cdt)
     scale = D**-0.5 if scale is None else float(scale)
     cfg = attention_config_for(q.device, D, cdt)
@@ -293,9 +312,12 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     m_tiles = triton.cdiv(rows, block_m)
     block_d = max(16, triton.next_power_of_2(D))
     block_l = min(cfg.block_n, max(16, triton.next_power_of_2(L)))
-    if num_splits is None:
-        num_splits = choose_num_splits(cache_len, b * Hkv * m_tiles, _sm_count(q.device), cfg.block_n)
-    splits, per_split = split_plan(cache_len, num_splits, cfg.block_n)
+    if in_memory:
+        splits, per_split = num_splits, 0  # sized in the kernel from the length it reads
+    else:
+        if num_splits is None:
+            num_splits = choose_num_splits(cache_len, b * Hkv * m_tiles, _sm_count(q.device), cfg.block_n)
+        splits, per_split = split_plan(cache_len, num_splits, cfg.block_n)
 
     out = torch.empty(b, L, Hq * D, device=q.device, dtype=cdt)
     n_rows = b * Hq * L
@@ -307,16 +329,18 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         po = pm = pl = out  # unused
     if k_cache.shape[2] == 0:  # an empty cache may have no storage to point at; nothing is read from it
         k_cache, v_cache = k_block, v_block
+    len_ptr = cache_len if in_memory else out  # unused pointer when the length is a launch argument
     g = gate if gate is not None else out
     gs = gate.stride() if gate is not None else (0, 0, 0)
     dot_ieee = cdt == torch.float32
     _block_attn_kernel[(m_tiles, splits, b * Hkv)](
         q, k_cache, v_cache, k_block, v_block, g, out, po, pm, pl,
-        cache_len, per_split, splits, scale * _LOG2E, Hq, Hkv, L, D, group, rows, n_rows,
+        0 if in_memory else cache_len, len_ptr, per_split, splits, scale * _LOG2E, Hq, Hkv, L, D, group, rows,
+        n_rows,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *k_block.stride(), *v_block.stride(),
         *gs, *out.stride(),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_L=block_l,
-        SPLIT=splits > 1, HAS_GATE=gate is not None, DOT_IEEE=dot_ieee,
+        SPLIT=splits > 1, HAS_GATE=gate is not None, DOT_IEEE=dot_ieee, LEN_IN_MEMORY=in_memory,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
@@ -336,6 +360,7 @@ def block_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     b, Hq, Hkv, L, D, _, cache_len = _check_args(q, k_cache, v_cache, k_block, v_block, cache_len, scale, gate,
                                                  num_splits)
     scale = D**-0.5 if scale is None else float(scale)
+    cache_len = int(cache_len)
     k = torch.cat([k_cache[:, :, :cache_len], k_block], dim=2).float().repeat_interleave(Hq // Hkv, dim=1)
     v = torch.cat([v_cache[:, :, :cache_len], v_block], dim=2).float().repeat_interleave(Hq // Hkv, dim=1)
     p = torch.softmax(q.float() @ k.transpose(-1, -2) * scale, dim=-1)

@@ -48,8 +48,13 @@ class GatedAttention(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | None,
         past: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_len: torch.Tensor | None = None,
+        num_splits: int | None = None,
     ) -> tuple[torch.Tensor, AttentionUpdate]:
-        """x [b, L, hidden]; mask bool [L, past_len + L] (True = visible) or None for all visible."""
+        """x [b, L, hidden]; mask bool [L, past_len + L] (True = visible) or None for all visible.
+
+        `past_len` (a device tensor, with `num_splits`) marks `past` as the cache's whole buffers of which
+        the first past_len positions are committed: the static step of a CUDA graph (Triton backend)."""
         b, L, _ = x.shape
         qg = self.q_proj(x).view(b, L, self.n_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
@@ -60,8 +65,9 @@ class GatedAttention(nn.Module):
             from ..kernels.attention import block_attention
 
             kc, vc = past if past is not None else (new.k[:, :, :0], new.v[:, :, :0])
-            out = block_attention(q, kc, vc, new.k, new.v, kc.shape[2], self.head_dim**-0.5,
-                                  gate=gate.reshape(b, L, -1))
+            length = past_len if past_len is not None else kc.shape[2]
+            out = block_attention(q, kc, vc, new.k, new.v, length, self.head_dim**-0.5,
+                                  gate=gate.reshape(b, L, -1), num_splits=num_splits)
             return self.o_proj(out), new
         k, v = new.k, new.v
         if past is not None and past[0].shape[2] > 0:

@@ -129,12 +129,15 @@ class QuantExperts(nn.Module):
         return F.linear(F.silu(gate) * up, self.down_proj.weight_of(e, h.dtype))
 
     backend = "torch"
+    graph_safe = False  # set by graph.StaticStep: never the padded path (it sizes buffers on the host)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.backend == "triton" and isinstance(self.gate_proj, QuantLinear):
             from ..kernels.moe import fused_moe
 
             parts = [getattr(p, "_int4", None) or p.int4() for p in (self.gate_proj, self.up_proj, self.down_proj)]
+            if self.graph_safe:
+                return fused_moe(x, weights, ids, *parts, gemv_max_rows=1 << 30, validate=False)
             return fused_moe(x, weights, ids, *parts, validate=False)
         # Reference path: each expert that received tokens is dequantized and run once.
         return dispatch(x, weights, ids, self.num_experts, self.expert)

@@ -1,0 +1,83 @@
+"""The denoising step with static shapes, captured once as a CUDA graph and replayed every step.
+
+At batch 1 a step is hundreds of small kernel launches (~40 layers x ~10 kernels); replaying a captured
+graph removes their launch cost (shared DESIGN.md section 4). Capturing needs a forward that never waits
+for the device and never changes shape: the block's token ids and the committed length live in device
+buffers, attention reads the cache's whole buffers with the length read by the kernel, GDN layers read
+the committed state in place, MoE layers take their no-padding GEMV path (fixed (token, expert) pairs),
+and the logits of every block position are produced (the caller keeps the masked rows). The same
+`forward` runs eagerly where there is no CUDA (tests check it against the reference step); commits stay
+eager. Needs the Triton backend (the reference MoE and attention are not capture-safe).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import DenoiseCache
+from .kernels.attention import attention_config_for, choose_num_splits
+from .models.denoiser import Denoiser
+from .models.quantized import QuantExperts
+
+
+class StaticStep:
+    def __init__(self, model: Denoiser, cache: DenoiseCache, block_size: int):
+        if getattr(model, "backend", "torch") != "triton":
+            raise ValueError("the static (CUDA-graph) step needs the Triton backend")
+        if cache.capacity < block_size:
+            raise ValueError("reserve the cache's capacity before building the static step")
+        self.model, self.cache, self.block_size = model, cache, block_size
+        device = model.embed_tokens.weight.device
+        self.ids = torch.zeros(1, block_size, dtype=torch.long, device=device)
+        self.length = torch.zeros(1, dtype=torch.int32, device=device)
+        self.offsets = torch.arange(block_size, device=device)
+        c = model.config
+        cfg = attention_config_for(device, c.head_dim, model.embed_tokens.weight.dtype)
+        rows = c.num_attention_heads // c.num_key_value_heads * block_size
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        # Splits sized for a full cache: trailing splits are simply empty while the cache is short.
+        self.num_splits = choose_num_splits(cache.capacity, c.num_key_value_heads * -(-rows // cfg.block_m), sms,
+                                            cfg.block_n)
+        for m in model.modules():
+            if isinstance(m, QuantExperts):
+                m.graph_safe = True  # always the GEMV path: a fixed number of (token, expert) pairs
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def forward(self) -> torch.Tensor:
+        """Logits [1, block, vocab] (fp32) of the block in self.ids after self.length committed positions."""
+        m, cache = self.model, self.cache
+        x = m.embed_tokens(self.ids)
+        cos, sin = m.rotary(self.length.long() + self.offsets)
+        for i, layer in enumerate(m.layers):
+            h = layer.input_layernorm(x)
+            if layer.kind == "full_attention":
+                mixed, _ = layer.self_attn(h, cos, sin, None, (cache.keys[i], cache.values[i]),
+                                           past_len=self.length, num_splits=self.num_splits)
+            else:
+                mixed, _ = layer.linear_attn(h, cache.gdn_state(i), need_state=False)
+            x = x + mixed
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return m.logits(x)
+
+    def capture(self) -> None:
+        """Warm up (kernel selection and autotuning happen outside the graph), then capture."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.forward()
+
+    def __call__(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """block_ids [1, block] -> logits [1, block, vocab] for the cache's current length."""
+        self.ids.copy_(block_ids)
+        self.length.fill_(self.cache.length)
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits
+        return self.forward()
