@@ -9,7 +9,8 @@ over the measured copy bandwidth; "outside weight reads" is the part of the step
 
     python benchmarks/step.py                                # GPU: clover-35b-a3b int4 at 1K, 8K, 32K
     python benchmarks/step.py --config tiny --contexts 64 256 --json out.json
-CUDA graphs of the step are not implemented yet: every number here is the eager path.
+With the Triton kernels the step is also timed through the static step (graph.StaticStep), captured as a
+CUDA graph on a GPU: the "graph ms" column. "outside" is measured on the eager step.
 """
 
 from __future__ import annotations
@@ -106,12 +107,11 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 @torch.no_grad()
-def measure(model, context: int, block: int, mask_id: int, reps: int, device) -> dict:
+def measure(model, cache, static, context: int, block: int, mask_id: int, reps: int, device) -> dict:
     c = model.config
     gen = torch.Generator().manual_seed(context)
     ids = torch.randint(0, mask_id, (1, context), generator=gen).to(device)
-    cache = model.new_cache()
-    cache.reserve(context + block)
+    cache.reset()
     model.prefill(ids, cache, block, chunk_tokens=2048)
     masked = torch.full((1, block), mask_id, device=device)
     positions = torch.arange(block, device=device)
@@ -141,9 +141,20 @@ def measure(model, context: int, block: int, mask_id: int, reps: int, device) ->
             commits.append(t3 - t2)
             parts.append(comp)
     timer.close()
+    graph = []
+    if static is not None:  # the same step through the static (CUDA-graph) path
+        for i in range(reps + 2):
+            sync(device)
+            t0 = time.perf_counter()
+            logits = static(masked)
+            choose(logits[0, positions], confidence="prob", banned_token_id=mask_id)
+            sync(device)
+            if i >= 2:
+                graph.append(time.perf_counter() - t0)
     med = statistics.median
     return {
         "context": context, "step_ms": 1e3 * med(steps), "commit_ms": 1e3 * med(commits),
+        "graph_step_ms": 1e3 * med(graph) if graph else None,
         **{f"{k}_ms": 1e3 * med(p[k] for p in parts) for k in COMPONENTS},
         "lm_head_sampling_ms": 1e3 * med(heads),
         "layers": {k: sum(1 for t in c.layer_types if (t == "full_attention") == (k == "attention"))
@@ -172,18 +183,29 @@ def main(argv=None) -> int:
     mask_id = config.mask_token_id if config.mask_token_id is not None else config.vocab_size - 1
     bw = copy_bandwidth(device)
     card = torch.cuda.get_device_name(device) if gpu else "cpu"
+    cache = model.new_cache(capacity=max(contexts) + block)
+    static = None
+    from clover_lite.graph import StaticStep
+
+    if StaticStep.supported(model) is None:
+        static = StaticStep(model, cache, block)
+        if gpu:
+            static.capture()
     rows = []
     for n in contexts:
-        r = measure(model, n, block, mask_id, args.reps, device)
+        r = measure(model, cache, static, n, block, mask_id, args.reps, device)
         floor = weight_read_bytes(config, quant, block, n, "bf16" if gpu else "fp32") / bw
         r["weight_floor_ms"] = 1e3 * floor
         r["outside_weight_reads"] = max(0.0, 1 - floor / (r["step_ms"] / 1e3))
         rows.append(r)
-    print(f"{name} ({quant}) on {card}, block {block}, copy bandwidth {bw / 1e9:.0f} GB/s, eager (no CUDA graph)")
-    print(f"{'context':>8} {'step ms':>8} {'commit ms':>10} {'attn':>7} {'GDN':>7} {'MoE':>7} {'head+samp':>10} "
-          f"{'floor ms':>9} {'outside':>8}")
+    mode = "CUDA graph" if static is not None and static.graph is not None else (
+        "static step, eager" if static is not None else f"none ({StaticStep.supported(model)})")
+    print(f"{name} ({quant}) on {card}, block {block}, copy bandwidth {bw / 1e9:.0f} GB/s; graph column: {mode}")
+    print(f"{'context':>8} {'step ms':>8} {'graph ms':>9} {'commit ms':>10} {'attn':>7} {'GDN':>7} {'MoE':>7} "
+          f"{'head+samp':>10} {'floor ms':>9} {'outside':>8}")
     for r in rows:
-        print(f"{r['context']:>8} {r['step_ms']:>8.2f} {r['commit_ms']:>10.2f} {r['attention_ms']:>7.2f} "
+        graph = f"{r['graph_step_ms']:>9.2f}" if r["graph_step_ms"] is not None else f"{'-':>9}"
+        print(f"{r['context']:>8} {r['step_ms']:>8.2f} {graph} {r['commit_ms']:>10.2f} {r['attention_ms']:>7.2f} "
               f"{r['GDN_ms']:>7.2f} {r['MoE_ms']:>7.2f} {r['lm_head_sampling_ms']:>10.2f} {r['weight_floor_ms']:>9.3f} "
               f"{100 * r['outside_weight_reads']:>7.0f}%")
     if args.json:

@@ -91,7 +91,9 @@ class Engine:
         self._owner: int | None = None
         self._cache, self._static = None, None
         if static_step is None:
-            static_step = self.device.type == "cuda" and getattr(model, "backend", "torch") == "triton"
+            from .graph import StaticStep
+
+            static_step = self.device.type == "cuda" and StaticStep.supported(model) is None
         if static_step:
             self._build_static(context or min(self.config.max_position_embeddings, 32768))
 

@@ -17,13 +17,27 @@ import torch
 from .cache import DenoiseCache
 from .kernels.attention import attention_config_for, choose_num_splits
 from .models.denoiser import Denoiser
-from .models.quantized import QuantExperts
+from .models.moe import SparseMoE
+from .models.quantized import QuantExperts, QuantLinear
 
 
 class StaticStep:
-    def __init__(self, model: Denoiser, cache: DenoiseCache, block_size: int):
+    @staticmethod
+    def supported(model: Denoiser) -> str | None:
+        """None if the model's step can be captured, else why not."""
         if getattr(model, "backend", "torch") != "triton":
-            raise ValueError("the static (CUDA-graph) step needs the Triton backend")
+            return "the static (CUDA-graph) step needs the Triton backend"
+        for m in model.modules():
+            if isinstance(m, SparseMoE) and not (
+                isinstance(m.experts, QuantExperts) and isinstance(m.experts.gate_proj, QuantLinear)
+            ):
+                return "only INT4 (GPTQ) experts have a capture-safe MoE kernel; 16-bit and NF4 experts run eagerly"
+        return None
+
+    def __init__(self, model: Denoiser, cache: DenoiseCache, block_size: int):
+        why = self.supported(model)
+        if why:
+            raise ValueError(why)
         if cache.capacity < block_size:
             raise ValueError("reserve the cache's capacity before building the static step")
         self.model, self.cache, self.block_size = model, cache, block_size
