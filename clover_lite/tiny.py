@@ -8,7 +8,6 @@ trying the runtime and testing it, not for reading the output.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 from .byte_tokenizer import DEFAULT_SPECIALS, write_byte_tokenizer
 from .models.config import config_from_dict
 from .models.denoiser import Denoiser
+from .random_weights import init_random_
 from .saver import save_checkpoint
 
 
@@ -58,25 +58,9 @@ def tiny_config(**overrides: Any) -> dict[str, Any]:
     return cfg
 
 
-@torch.no_grad()
 def init_random(model: Denoiser, seed: int = 0, std: float = 0.02) -> Denoiser:
-    """Random weights on the scale of a trained model's init, norms and GDN decay included, so every
-    parameter affects the output (a zero-centred norm left at zero would hide bugs in its offset)."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("A_log"):
-            p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0, generator=gen).log())
-        elif name.endswith("dt_bias"):
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-        elif name.endswith("norm.weight") and "linear_attn" in name:
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))  # gated norm: plain weight
-        elif "norm" in name:
-            p.copy_(0.1 * torch.randn(p.shape, generator=gen))  # zero-centred (1 + w) norms
-        elif name.endswith("conv1d.weight"):
-            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
-        else:
-            p.copy_(std * torch.randn(p.shape, generator=gen))
-    return model
+    """Random weights (see clover_lite.random_weights), deterministic for a seed."""
+    return init_random_(model, seed, std)
 
 
 def write_tiny_checkpoint(

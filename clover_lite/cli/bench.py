@@ -6,7 +6,6 @@ the device (no download: see what a card will do before fetching 70 GB).
 from __future__ import annotations
 
 import json
-import math
 import platform
 import resource
 import statistics
@@ -29,53 +28,9 @@ from ..planner import (
     parse_quant,
     plan,
 )
+from ..random_weights import init_random_
 
 ProgressFn = Callable[[str, int, int], None]  # (stage, done, total)
-
-
-# ---- random weights ----------------------------------------------------------------------------
-@torch.no_grad()
-def init_random_(model: torch.nn.Module, seed: int = 0, std: float = 0.02,
-                 progress: ProgressFn | None = None) -> torch.nn.Module:
-    """Fill a materialised model in place, on its device, with weights on the scale of a trained model's:
-    the rules of `clover_lite.tiny.init_random` for float tensors, random nibbles with a symmetric zero of 8
-    and scales giving the same spread for GPTQ tensors, random codes for NF4."""
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    owners = {f"{n}.{b}" if n else b: m for n, m in model.named_modules() for b, _ in m.named_buffers(recurse=False)}
-    items = list(model.named_parameters()) + list(model.named_buffers())
-    for i, (name, t) in enumerate(items):
-        if t.is_floating_point() and not name.endswith(("scales", "nf4_absmax")):
-            if name.endswith("A_log"):
-                t.copy_(torch.empty(t.shape, device=device).uniform_(1.0, 16.0, generator=gen).log())
-            elif name.endswith("dt_bias"):
-                t.normal_(1.0, 0.1, generator=gen)
-            elif name.endswith("norm.weight") and "linear_attn" in name:
-                t.normal_(1.0, 0.1, generator=gen)
-            elif "norm" in name:
-                t.normal_(0.0, 0.1, generator=gen)
-            elif name.endswith("conv1d.weight"):
-                t.normal_(0.0, 1.0 / math.sqrt(t.shape[-1]), generator=gen)
-            else:
-                t.normal_(0.0, std, generator=gen)
-        elif name.endswith("qweight"):
-            t.copy_(torch.randint(-(2**31), 2**31 - 1, t.shape, generator=gen, device=device, dtype=torch.int32))
-        elif name.endswith("qzeros"):
-            t.fill_(0x77777777)  # symmetric GPTQ v1 (meta_model's format): every nibble holds zero - 1 = 7
-        elif name.endswith("scales"):
-            t.fill_(std / 4.6)  # nibbles - 8 have a standard deviation of ~4.6
-        elif name.endswith("g_idx"):
-            m = owners[name]
-            k = m.in_features
-            t.copy_((torch.arange(k, device=device, dtype=torch.int32) // (k // m.groups)).expand_as(t))
-        elif name.endswith("nf4_weight"):
-            t.copy_(torch.randint(0, 256, t.shape, generator=gen, device=device, dtype=torch.uint8))
-        elif name.endswith("nf4_absmax"):
-            t.fill_(std * 2.5)
-        if progress:
-            progress("initialising random weights", i + 1, len(items))
-    return model
 
 
 def random_model(config, quant: str, device: torch.device, dtype: torch.dtype | None = None, seed: int = 0,
