@@ -122,26 +122,35 @@ class GatedDeltaNet(nn.Module):
     ) -> tuple[torch.Tensor, GDNUpdate | None]:
         """x [b, L, hidden]; state = (recurrent [b, HV, K, V] fp32, conv tail [b, C, kernel-1]), not modified.
         Returns the output and, if need_state, the state after x (a denoising step does not need it)."""
-        b, L, _ = x.shape
         recurrent, tail = state
         mixed, new_tail = causal_conv(self.in_proj_qkv(x).transpose(1, 2), tail, self.conv1d.weight.squeeze(1))
-        mixed = mixed.transpose(1, 2)
-        q = mixed[..., : self.key_dim].reshape(b, L, self.n_k, self.dk)
-        k = mixed[..., self.key_dim : 2 * self.key_dim].reshape(b, L, self.n_k, self.dk)
-        v = mixed[..., 2 * self.key_dim :].reshape(b, L, self.n_v, self.dv)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        # In fp32: in fp16 exp(A_log) can overflow.
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        q, k, v, g, beta = self.heads(x, mixed)
         if self.backend == "triton":
             from ..kernels.gdn import gdn_chunked
 
             o, new_recurrent = gdn_chunked(q, k, v, g, beta, recurrent, write_state=need_state)
         else:
             o, new_recurrent = gated_delta_rule_chunked(q, k, v, g, beta, recurrent)
-        z = self.in_proj_z(x).reshape(b, L, self.n_v, self.dv)
-        o = self.norm(o.to(x.dtype), z).reshape(b, L, self.value_dim)
         update = GDNUpdate(recurrent=new_recurrent, conv=new_tail.to(tail.dtype)) if need_state else None
-        return self.out_proj(o), update
+        return self.output(x, o), update
+
+    def heads(self, x: torch.Tensor, mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """From x [b, L, hidden] and the conv output [b, C, L]: q, k [b, L, HK, K], v [b, L, HV, V],
+        log-decay g (fp32: in fp16 exp(A_log) can overflow) and write strength beta [b, L, HV]."""
+        b, L, _ = x.shape
+        mixed = mixed.transpose(1, 2)
+        q = mixed[..., : self.key_dim].reshape(b, L, self.n_k, self.dk)
+        k = mixed[..., self.key_dim : 2 * self.key_dim].reshape(b, L, self.n_k, self.dk)
+        v = mixed[..., 2 * self.key_dim :].reshape(b, L, self.n_v, self.dv)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        return q, k, v, g, beta
+
+    def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The delta rule's output o [b, L, HV, V] through the z-gated norm and out_proj."""
+        b, L, _ = x.shape
+        z = self.in_proj_z(x).reshape(b, L, self.n_v, self.dv)
+        return self.out_proj(self.norm(o.to(x.dtype), z).reshape(b, L, self.value_dim))
 
 
 def gated_delta_rule_block_states(q, k, v, g, beta, state, chunk: int):
@@ -198,14 +207,7 @@ def gdn_block_states(
     # The conv tail before block j is the k-1 raw conv inputs ending at position jB (zeros before 0).
     padded = F.pad(qkv, (layer.kernel - 1, 0))
     tails = padded.unfold(2, layer.kernel - 1, block_size)[:, :, : L // block_size].permute(0, 2, 1, 3)
-    mixed = mixed.transpose(1, 2)
-    q = mixed[..., : layer.key_dim].reshape(b, L, layer.n_k, layer.dk)
-    k = mixed[..., layer.key_dim : 2 * layer.key_dim].reshape(b, L, layer.n_k, layer.dk)
-    v = mixed[..., 2 * layer.key_dim :].reshape(b, L, layer.n_v, layer.dv)
-    beta = torch.sigmoid(layer.in_proj_b(x))
-    g = -layer.A_log.float().exp() * F.softplus(layer.in_proj_a(x).float() + layer.dt_bias.float())
+    q, k, v, g, beta = layer.heads(x, mixed)
     zero = x.new_zeros(b, layer.n_v, layer.dk, layer.dv, dtype=torch.float32)
     o, starts = gated_delta_rule_block_states(q, k, v, g, beta, zero, block_size)
-    z = layer.in_proj_z(x).reshape(b, L, layer.n_v, layer.dv)
-    o = layer.norm(o.to(x.dtype), z).reshape(b, L, layer.value_dim)
-    return layer.out_proj(o), starts, tails.contiguous()
+    return layer.output(x, o), starts, tails.contiguous()
