@@ -61,17 +61,24 @@ def atomic_directory(out: Path, force: bool = False) -> tuple[Path, Callable[[],
         raise CloverError(f"{out} already exists; choose another path or pass force=True (--force) to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    return tmp, lambda: publish_directory(tmp, out)
 
-    def finish() -> None:
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
 
-    return tmp, finish
+def publish_directory(tmp: Path, out: Path) -> None:
+    """Move a finished directory into place (replacing `out` if it exists) with the modes a plain mkdir and
+    open would give: mkdtemp makes it 0700 and safetensors writes 0600, unreadable to anyone else."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in (tmp, *tmp.rglob("*")):
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
 
 
 def save_checkpoint(

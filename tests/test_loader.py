@@ -1,6 +1,7 @@
 """Checkpoint loading: layouts (single, sharded, fused experts), casting, and every bad-input error."""
 
 import json
+import os
 import shutil
 import struct
 
@@ -37,6 +38,11 @@ def test_sharded_equals_single(tiny_dir, tmp_path):
     assert (sharded / "model.safetensors.index.json").exists()
     assert len(list(sharded.glob("model-*.safetensors"))) > 2
     _same_weights(_load(tiny_dir), _load(sharded))
+    umask = os.umask(0)
+    os.umask(umask)
+    # Written through a 0700 temporary directory and safetensors' 0600 files, published like a plain mkdir.
+    assert {f.stat().st_mode & 0o777 for f in sharded.iterdir()} == {0o666 & ~umask}
+    assert sharded.stat().st_mode & 0o777 == 0o777 & ~umask
 
 
 def test_fused_expert_tensors_and_language_model_prefix(ckpt, tiny_dir):

@@ -55,6 +55,18 @@ def test_output_directory(src, gptq_out):
     assert tensors["model.layers.0.mlp.gate.weight"].dtype == torch.float32  # router stays 16-bit (here fp32)
     assert "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors
     assert report.bytes_after < report.bytes_before / 2.5
+    _assert_plain_modes(out)
+
+
+def _assert_plain_modes(out):
+    """Files and directory as readable as a plain mkdir/open makes them (not mkdtemp's 0700 or 0600)."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+    for f in out.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f
 
 
 def test_quantized_model_generates_with_bounded_kl(src, gptq_out, tmp_path):

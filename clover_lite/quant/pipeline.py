@@ -33,7 +33,7 @@ from ..models.config import ModelConfig, load_config
 from ..models.denoiser import Denoiser, block_causal_mask
 from ..models.moe import SparseMoE
 from ..models.quantized import NF4Linear, QuantLinear, gptq_experts, nf4_experts
-from ..saver import checkpoint_tensors
+from ..saver import checkpoint_tensors, publish_directory
 from ..tokenizer import Tokenizer
 from .calibration import calibration_ids, read_calibration_file, stdlib_texts, token_stream
 from .gptq import HessianAccumulator, gptq_quantize, weighted_error
@@ -453,14 +453,7 @@ def quantize_model(
     _write_metadata(partial, src, config, options, state["layers"], error_by_kind, fallbacks, block, n_shards)
     for f in (state_file, acts_file):
         f.unlink(missing_ok=True)
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-        partial.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        partial.rename(out)
+    publish_directory(partial, out)
     return QuantizeReport(
         out=out,
         seconds=time.perf_counter() - t0,
