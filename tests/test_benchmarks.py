@@ -72,3 +72,25 @@ def test_kernels_compile_for_a_gpu_target():
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("ok   sm_86") == 5
+
+
+def test_quality_benchmark_with_a_quantized_variant(tmp_path, capsys):
+    """One model and its RTN version, tiny sizes: both get rows; one-token-per-step decoding commits exactly
+    one token per forward; a random model's held-out NLL is close to the uniform ln(vocab)."""
+    import math
+
+    tiny = _tiny(tmp_path)
+    out = tmp_path / "quality.json"
+    mod = runpy.run_path(str(BENCH / "quality.py"), run_name="bench")
+    mod["main"](["--models", str(tiny), "--quant", "rtn", "--group-size", "32", "--nsamples", "4",
+                 "--n-task", "1", "--n-windows", "2", "--thresholds", "0.9", "--out", str(out)])
+    data = json.loads(out.read_text())
+    (name16, r16), (name4, r4) = data.items()
+    assert name4 == f"{tiny} rtn g32" and r4["weights_mb"] < r16["weights_mb"] / 2
+    vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
+    for r in (r16, r4):
+        assert set(r["decoding"]) == {"1 per step", "threshold 0.9"}
+        assert r["decoding"]["1 per step"]["tokens_per_forward"] == 1.0
+        assert r["decoding"]["threshold 0.9"]["tokens_per_forward"] >= 1.0
+        assert abs(r["nll"]["text@1"]["model"] - math.log(vocab)) < 0.5
+    assert "| decoding | tokens/forward |" in capsys.readouterr().out

@@ -48,13 +48,15 @@ def test_run_errors_are_one_line(tmp_path):
     assert r.returncode == 1 and "unknown model_type 'gpt9'" in r.stderr
 
 
-def test_run_without_model_explains_what_to_do():
-    from clover_lite.engine import BUNDLED_MODEL
+def test_no_model_and_no_bundled_model_explains_what_to_do(tmp_path, monkeypatch):
+    """An install whose package data went missing: load() without a path says what to pass instead."""
+    import clover_lite
+    from clover_lite import engine
+    from clover_lite.errors import CloverError
 
-    if (BUNDLED_MODEL / "config.json").exists():
-        pytest.skip("this install bundles a default model")
-    r = clover("run", "hi")
-    assert r.returncode == 1 and "clover tiny" in r.stderr
+    monkeypatch.setattr(engine, "BUNDLED_MODEL", tmp_path / "clover-tiny")
+    with pytest.raises(CloverError, match="no bundled default model.*clover tiny"):
+        clover_lite.load()
 
 
 def test_text_streamer_holds_back_partial_characters_and_stop_prefixes():

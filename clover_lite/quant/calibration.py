@@ -11,31 +11,25 @@ from __future__ import annotations
 import json
 import os
 import random
-import sysconfig
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
+from ..corpus import split_files
 from ..errors import CloverError
 from ..tokenizer import Tokenizer
 
 MODES = ("diffusion", "clean")
 
 
-HELDOUT_EVERY = 10  # every 10th standard-library file is held out for evaluation, never calibrated on
-
-
-SKIPPED_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
-
-
-def _stdlib_files() -> list[Path]:
-    """The standard library's own sources: installed packages (site-packages) and test suites excluded."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if not SKIPPED_DIRS.intersection(p.relative_to(root).parts))
-    if not files:
-        raise CloverError(f"no Python sources found under {root} for the default text; pass a text file")
-    return files
+def _split() -> tuple[list[Path], list[Path]]:
+    """(calibration files, held-out files) of the standard library: the split the bundled model was trained
+    on (`corpus.split_files`), so evaluation text is never calibration or training text."""
+    train, held = split_files()
+    if not train:
+        raise CloverError("no Python standard-library sources found for the default text; pass a text file")
+    return train, held
 
 
 def _read(files: list[Path]) -> Iterator[str]:
@@ -59,14 +53,14 @@ def _read_until(files: list[Path], limit_bytes: int) -> list[str]:
 def stdlib_texts(seed: int = 0) -> Iterator[str]:
     """Python sources of the standard library (tests and held-out files excluded) in a seeded order, read
     lazily: calibration stops reading once it has enough tokens."""
-    files = [f for i, f in enumerate(_stdlib_files()) if i % HELDOUT_EVERY != 0]
+    files = list(_split()[0])
     random.Random(seed).shuffle(files)
     return _read(files)
 
 
 def heldout_texts(limit_bytes: int = 1_000_000) -> list[str]:
     """The standard-library files `stdlib_texts` never returns, for evaluation."""
-    return _read_until(_stdlib_files()[::HELDOUT_EVERY], limit_bytes)
+    return _read_until(_split()[1], limit_bytes)
 
 
 def read_calibration_file(path: str | os.PathLike) -> list[str]:

@@ -1,0 +1,260 @@
+"""Block-diffusion training: the two-stream forward equals the runtime's reference forward block by block,
+the loss goes down, runs are deterministic and a resumed run equals an uninterrupted one."""
+
+import random
+
+import pytest
+import torch
+
+from clover_lite import tasks
+from clover_lite.models.config import config_from_dict
+from clover_lite.models.denoiser import Denoiser
+from clover_lite.models.gdn import gated_delta_rule_block_states, gated_delta_rule_chunked, gdn_block_states
+from clover_lite.tiny import init_random, tiny_config
+from clover_lite.train import (
+    TrainConfig,
+    block_diffusion_logits,
+    init_weights,
+    lr_at,
+    noise_blocks,
+    train,
+    two_stream_mask,
+)
+
+MASK = 256 + 3
+
+
+def tiny_model(seed=0, **overrides):
+    cfg = config_from_dict(tiny_config(**overrides))
+    return init_random(Denoiser(cfg), seed)
+
+
+def test_noise_masks_every_block_at_its_own_ratio():
+    clean = torch.randint(0, 256, (64, 32), generator=torch.Generator().manual_seed(0))
+    noisy, masked = noise_blocks(clean, 8, MASK, torch.Generator().manual_seed(1))
+    per_block = masked.reshape(64, 4, 8).sum(-1)
+    assert per_block.min() >= 1 and per_block.max() == 8
+    assert len(set(per_block.flatten().tolist())) == 8  # every count 1..8 occurs: ratios vary per block
+    assert torch.equal(noisy[masked], torch.full_like(noisy[masked], MASK))
+    assert torch.equal(noisy[~masked], clean[~masked])
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        noise_blocks(clean[:, :30], 8, MASK, torch.Generator())
+
+
+def test_noise_keeps_unmaskable_positions_clean():
+    clean = torch.randint(0, 256, (16, 24), generator=torch.Generator().manual_seed(0))
+    maskable = torch.zeros(16, 24, dtype=torch.bool)
+    maskable[:, 5:11] = True  # a "reply" across blocks 0 and 1; block 2 is all prompt
+    for ratio in (None, 1.0):
+        noisy, masked = noise_blocks(clean, 8, MASK, torch.Generator().manual_seed(1), ratio, maskable)
+        assert not (masked & ~maskable).any() and torch.equal(noisy[~masked], clean[~masked])
+        per_block = masked.reshape(16, 3, 8).sum(-1)
+        assert per_block[:, :2].min() >= 1 and per_block[:, 2].max() == 0
+    assert torch.equal(masked, maskable)  # ratio 1 masks every maskable position
+
+
+def test_two_stream_mask():
+    m = two_stream_mask(8, 4, torch.device("cpu"))
+    clean_q, noisy_q = m[:8], m[8:]
+    assert clean_q[:, 8:].sum() == 0  # clean never sees noisy
+    assert clean_q[1, :8].tolist() == [True] * 4 + [False] * 4  # block-causal, bidirectional in a block
+    assert noisy_q[5].tolist() == [True] * 4 + [False] * 4 + [False] * 4 + [True] * 4  # clean past + own block
+
+
+def test_block_states_match_the_recurrence():
+    g = torch.Generator().manual_seed(0)
+    b, L, hk, hv, dk, dv = 2, 24, 2, 4, 8, 8
+    q, k = torch.randn(b, L, hk, dk, generator=g), torch.randn(b, L, hk, dk, generator=g)
+    v = torch.randn(b, L, hv, dv, generator=g)
+    gate = -torch.rand(b, L, hv, generator=g)
+    beta = torch.rand(b, L, hv, generator=g)
+    s0 = torch.randn(b, hv, dk, dv, generator=g)
+    out, starts = gated_delta_rule_block_states(q, k, v, gate, beta, s0, chunk=4)
+    ref, _ = gated_delta_rule_chunked(q, k, v, gate, beta, s0)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(starts[:, 0], s0)
+    for j in range(1, L // 4):
+        _, s = gated_delta_rule_chunked(q[:, : 4 * j], k[:, : 4 * j], v[:, : 4 * j], gate[:, : 4 * j],
+                                        beta[:, : 4 * j], s0)
+        torch.testing.assert_close(starts[:, j], s, atol=1e-5, rtol=1e-5)
+
+
+def test_gdn_block_states_are_what_the_cache_holds():
+    model = tiny_model(1)
+    layer = model.layers[0].linear_attn
+    x = torch.randn(2, 20, 64, generator=torch.Generator().manual_seed(2))
+    out, rec, tails = gdn_block_states(layer, x, 4)
+    c = model.config
+    state = (torch.zeros(2, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+             torch.zeros(2, c.gdn_conv_dim, c.linear_conv_kernel_dim - 1))
+    torch.testing.assert_close(out, layer(x, state)[0], atol=1e-5, rtol=1e-5)
+    for j in range(5):
+        torch.testing.assert_close(rec[:, j], state[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(tails[:, j], state[1])
+        _, upd = layer(x[:, 4 * j : 4 * j + 4], state)
+        state = (upd.recurrent, upd.conv)
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_training_forward_equals_reference_forward(block_size):
+    """Logits of noisy block b from the all-blocks forward == model(clean prefix + noisy block b)."""
+    model = tiny_model(2)
+    B, T = block_size, 4 * block_size
+    clean = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(3))
+    noisy, _ = noise_blocks(clean, B, MASK, torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logits = block_diffusion_logits(model, clean, noisy, B)
+        for b in range(T // B):
+            ids = torch.cat([clean[:, : b * B], noisy[:, b * B : (b + 1) * B]], dim=1)
+            ref = model(ids, block_size=B)[:, b * B :]
+            torch.testing.assert_close(logits[:, b * B : (b + 1) * B], ref, atol=1e-4, rtol=1e-4)
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+def counting_batches(step: int) -> torch.Tensor:
+    """Learnable windows: counting sequences from a step-dependent start."""
+    g = torch.Generator().manual_seed(step)
+    start = torch.randint(0, 40, (8, 1), generator=g)
+    return (start + torch.arange(16)) % 40 + 10
+
+
+def fresh(seed=0):
+    return init_weights(Denoiser(config_from_dict(tiny_config())), seed)
+
+
+def weights(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_training_lowers_the_loss():
+    torch.manual_seed(0)
+    cfg = TrainConfig(steps=40, lr=1e-2, warmup=5, block_size=4, log_every=5)
+    hist = train(fresh(), counting_batches, cfg, MASK)
+    first, last = hist[0]["ce"], hist[-1]["ce"]
+    assert last < 0.6 * first, (first, last)
+    assert 0.5 < hist[-1]["expert_load_max"] * 8 < 8  # routing is recorded (and not all on one expert)
+
+
+def test_deterministic_and_resume_equals_uninterrupted(tmp_path):
+    cfg = TrainConfig(steps=6, lr=1e-2, warmup=2, block_size=4, log_every=1, checkpoint_every_s=1e-9)
+    a, b = fresh(), fresh()
+    hist_a = train(a, counting_batches, cfg, MASK)
+    train(b, counting_batches, cfg, MASK)
+    assert torch.equal(weights(a), weights(b))
+
+    def interrupted(step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return counting_batches(step)
+
+    ckpt = tmp_path / "state.pt"
+    c = fresh()
+    assert not torch.equal(weights(a), weights(c))
+    with pytest.raises(KeyboardInterrupt):
+        train(c, interrupted, cfg, MASK, checkpoint=ckpt)
+    assert torch.load(ckpt, weights_only=True)["step"] == 3
+    d = fresh(seed=99)  # resuming restores the weights, whatever the new model holds
+    hist_d = train(d, counting_batches, cfg, MASK, checkpoint=ckpt)
+    assert torch.equal(weights(a), weights(d))
+    assert [r["step"] for r in hist_d] == [4, 5, 6] and hist_d[-1]["ce"] == hist_a[-1]["ce"]
+
+
+def test_batches_with_maskable_positions():
+    """A batch function may return (ids, maskable); only maskable positions are trained."""
+    cfg = TrainConfig(steps=3, lr=1e-2, warmup=1, block_size=4, log_every=1)
+
+    def with_mask(step):
+        ids = counting_batches(step)
+        maskable = torch.zeros_like(ids, dtype=torch.bool)
+        maskable[:, 8:] = True
+        return ids, maskable
+
+    hist = train(fresh(), with_mask, cfg, MASK)
+    assert all(0 < r["masked_tokens"] <= 8 * 8 for r in hist)
+
+
+def test_chat_windows_mask_replies_to_the_end_of_their_block():
+    from clover_lite import corpus
+
+    tok = corpus.train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, vocab_size=300)
+    text = torch.arange(4, 200, dtype=torch.int32).repeat(5)
+    batches = corpus.MixedBatches(tok, text, batch=3, length=64, task_windows=2, seed=0, block_size=4)
+    ids, maskable = batches(7)
+    again = batches(7)
+    assert torch.equal(ids, again[0]) and torch.equal(maskable, again[1])  # a function of the step
+    assert ids.shape == maskable.shape == (3, 64) and maskable[2].all()  # text rows: all maskable
+    im_start = tok.token_to_id("<|im_start|>")
+    assert ids[0, 0] == im_start and not maskable[0, :8].any()  # a window starts with a prompt, never masked
+    blocks = maskable[:2].reshape(2, 16, 4).int()
+    assert torch.equal(blocks, torch.cummax(blocks, -1).values)  # maskable up to the end of the block
+    ex = tasks.generate("add", random.Random(0))
+    chat, reply = corpus.encode_chat(tok, ex)
+    assert tok.decode([t for t, r in zip(chat, reply, strict=True) if r], skip_special_tokens=False) == (
+        ex.answer + "<|im_end|>"
+    )
+
+
+def test_task_weights_change_the_mix_from_their_step():
+    from clover_lite import corpus
+
+    tok = corpus.train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, vocab_size=300)
+    text = torch.arange(4, 200, dtype=torch.int32).repeat(5)
+    plain = corpus.MixedBatches(tok, text, batch=8, length=256, task_windows=8, seed=0, block_size=4)
+    weights = {"sort": 1, "add": 1, "reverse": 1, "rules": 6}
+    heavy = corpus.MixedBatches(tok, text, batch=8, length=256, task_windows=8, seed=0, block_size=4,
+                                task_weights=weights, reweight_from=5)
+
+    def counts(batches, step):
+        text = tok.decode(batches(step)[0].flatten().tolist(), skip_special_tokens=False)
+        return {t: text.count("user\n" + ("facts:" if t == "rules" else t + ":")) for t in tasks.TASKS}
+
+    assert torch.equal(plain(4)[0], heavy(4)[0])  # steps before reweight_from see the same data
+    before = [counts(plain, s) for s in range(5, 9)]
+    after = [counts(heavy, s) for s in range(5, 9)]
+    share = [sum(c["rules"] for c in cs) / sum(sum(c.values()) for c in cs) for cs in (before, after)]
+    assert share[0] < 0.35 and share[1] > 0.55, share  # chats are drawn 1/4 vs 6/9 rules
+    with pytest.raises(ValueError, match="unknown task"):
+        corpus.MixedBatches(tok, text, 2, 64, 1, 0, task_weights={"poetry": 2})
+
+
+def test_lr_schedule():
+    cfg = TrainConfig(steps=100, lr=1.0, warmup=10, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(99, cfg) == pytest.approx(0.1, abs=1e-3)
+
+
+# ---- tasks -----------------------------------------------------------------------------------------
+def _forward_chain(prompt: str) -> str:
+    """Parse a rules prompt and answer it by repeated rule application (independent of tasks._rules)."""
+    facts_part, rest = prompt.removeprefix("facts: ").split(" rules: ")
+    rules_part, question = rest.split(" question: is ")
+    known = {f.strip() for f in facts_part.split(".") if f.strip()}
+    rules = [r.strip().removeprefix("if ").split(" then ") for r in rules_part.split(".") if r.strip()]
+    for _ in rules:  # len(rules) passes reach the fixed point
+        known |= {b for a, b in rules if a in known}
+    name, prop = question.rstrip("?").split(" ")
+    return "yes" if f"{name} is {prop}" in known else "no"
+
+
+def test_tasks_are_checkable_and_held_out():
+
+    rng = random.Random(0)
+    held = {ex.prompt for t in tasks.TASKS for ex in tasks.heldout(t)}
+    for _ in range(2000):
+        ex = tasks.sample_train(rng)
+        assert ex.prompt not in held
+        if ex.task == "sort":
+            assert ex.answer == " ".join(map(str, sorted(int(x) for x in ex.prompt[6:].split())))
+        elif ex.task == "add":
+            a, b = ex.prompt[5:].split(" + ")
+            assert int(ex.answer) == int(a) + int(b)
+        elif ex.task == "reverse":
+            assert ex.answer == ex.prompt[9:][::-1]
+        else:
+            assert ex.answer == _forward_chain(ex.prompt)
+    lookups = [tasks.sample_train(rng, ("rules-lookup",)) for _ in range(400)]  # the curriculum step of rules
+    assert all(ex.answer == _forward_chain(ex.prompt) and ex.prompt not in held for ex in lookups)
+    assert 0.4 < sum(ex.answer == "yes" for ex in lookups) / 400 < 0.6
+    answers = [ex.answer for ex in tasks.eval_set("rules", 400)]
+    assert 0.4 < answers.count("yes") / 400 < 0.6
+    assert tasks.eval_set("sort", 5) == tasks.eval_set("sort", 5)
