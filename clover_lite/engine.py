@@ -91,9 +91,11 @@ class Engine:
         self._owner: int | None = None
         self._cache, self._static = None, None
         if static_step is None:
-            from .graph import StaticStep
+            static_step = False
+            if self.device.type == "cuda":  # graph.py needs Triton, which CPU-only installs lack
+                from .graph import StaticStep
 
-            static_step = self.device.type == "cuda" and StaticStep.supported(model) is None
+                static_step = StaticStep.supported(model) is None
         if static_step:
             self._build_static(context or min(self.config.max_position_embeddings, 32768))
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from .cache import DenoiseCache
-from .kernels.attention import attention_config_for, choose_num_splits
 from .models.denoiser import Denoiser
 from .models.moe import SparseMoE
 from .models.quantized import QuantExperts, QuantLinear
@@ -45,6 +44,8 @@ class StaticStep:
         self.ids = torch.zeros(1, block_size, dtype=torch.long, device=device)
         self.length = torch.zeros(1, dtype=torch.int32, device=device)
         self.offsets = torch.arange(block_size, device=device)
+        from .kernels.attention import attention_config_for, choose_num_splits  # Triton: only when built
+
         c = model.config
         cfg = attention_config_for(device, c.head_dim, model.embed_tokens.weight.dtype)
         rows = c.num_attention_heads // c.num_key_value_heads * block_size
