@@ -15,7 +15,9 @@ importable, benchmarks/out/quality.png (accuracy against tokens per forward).
   visible: the training objective at that ratio, computed with the training forward (equal to the
   runtime's reference forward, tests/test_train.py). Unigram: token frequencies of the training split.
 - Tasks: greedy generation with the Engine on held-out instances, exact match of the answer.
-- Decoding: one token per step (`fixed`, steps = block size) and `threshold` at several values.
+- Decoding: one token per step (`fixed`, steps = block size) and `threshold` at several values. Tokens per
+  forward counts every committed position; reply tokens per forward only the answer and its end-of-turn
+  token (the positions after it, which complete the last block, are committed too but are not text).
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ def decode_settings(block_size: int, thresholds: Sequence[float]) -> list[tuple[
 
 def task_accuracy(engine: Engine, n: int, decoding: dict, max_new_tokens: int = 40) -> dict:
     """Exact-match accuracy per task on n held-out instances each, and tokens per forward overall."""
-    acc, committed, forwards, eos, t0 = {}, 0, 0, 0, time.perf_counter()
+    acc, committed, reply, forwards, eos, t0 = {}, 0, 0, 0, 0, time.perf_counter()
     failures = {}
     for task in tasks.TASKS:
         right = 0
@@ -163,10 +165,13 @@ def task_accuracy(engine: Engine, n: int, decoding: dict, max_new_tokens: int = 
                 failures[task] = {"prompt": ex.prompt, "answer": ex.answer, "got": out.text}
             eos += out.finish_reason == "eos"
             committed += out.stats.committed_tokens
+            reply += out.stats.new_tokens + (out.finish_reason == "eos")  # the answer and its end of turn
             forwards += out.stats.forwards
         acc[task] = right / n
     return {"accuracy": acc, "mean_accuracy": sum(acc.values()) / len(acc),
             "tokens_per_forward": committed / max(forwards, 1), "forwards": forwards,
+            # Without the positions after the end of turn that complete its block (committed, but not text).
+            "reply_tokens_per_forward": reply / max(forwards, 1),
             "eos_rate": eos / (n * len(tasks.TASKS)), "seconds": time.perf_counter() - t0,
             "first_failure": failures}
 
@@ -212,11 +217,12 @@ def table(results: dict[str, dict]) -> str:
         for key, v in r["nll"].items():
             lines.append(f"| {key} | {v['masked_fraction']:.2f} | {v['model']:.3f} | {v['unigram']:.3f} |")
         lines.append("")
-        lines.append("| decoding | tokens/forward | " + " | ".join(tasks.TASKS) + " | mean |")
-        lines.append("|---|---|" + "---|" * (len(tasks.TASKS) + 1))
+        lines.append("| decoding | tokens/forward | reply tokens/forward | " + " | ".join(tasks.TASKS) + " | mean |")
+        lines.append("|---|---|---|" + "---|" * (len(tasks.TASKS) + 1))
         for label, d in r["decoding"].items():
             accs = " | ".join(f"{100 * d['accuracy'][t]:.1f}" for t in tasks.TASKS)
-            lines.append(f"| {label} | {d['tokens_per_forward']:.2f} | {accs} | {100 * d['mean_accuracy']:.1f} |")
+            lines.append(f"| {label} | {d['tokens_per_forward']:.2f} | {d['reply_tokens_per_forward']:.2f} | {accs} | "
+                         f"{100 * d['mean_accuracy']:.1f} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -205,6 +205,7 @@ def card(args) -> None:
         "quant_group": results[1][0].rsplit(" g", 1)[-1] if len(results) > 1 else "-",
         "quant_table": _quant_table(results),
         "best": best or "none", "best_tpf": f"{d[best]['tokens_per_forward']:.2f}" if best else "-",
+        "best_reply_tpf": f"{d[best]['reply_tokens_per_forward']:.2f}" if best else "-",
         "best_acc": f"{100 * d[best]['mean_accuracy']:.1f}" if best else "-",
     }
     Path(args.out).write_text(template.format(**values))
@@ -278,11 +279,12 @@ RAW_PROMPT = "import os\n\n\ndef read_config(path):\n"
 def _quality_table(q: dict) -> str:
     lines = ["| held-out set @ mask ratio | model NLL | unigram NLL |", "|---|---|---|"]
     lines += [f"| {k} | {v['model']:.2f} | {v['unigram']:.2f} |" for k, v in q["nll"].items()]
-    lines += ["", "| decoding | tokens per forward | " + " | ".join(tasks.TASKS) + " | mean |",
-              "|---|---|" + "---|" * (len(tasks.TASKS) + 1)]
+    head = "| decoding | tokens per forward | reply tokens per forward | " + " | ".join(tasks.TASKS) + " | mean |"
+    lines += ["", head, "|---|---|---|" + "---|" * (len(tasks.TASKS) + 1)]
     for label, d in q["decoding"].items():
         accs = " | ".join(f"{100 * d['accuracy'][t]:.0f}%" for t in tasks.TASKS)
-        lines.append(f"| {label} | {d['tokens_per_forward']:.2f} | {accs} | {100 * d['mean_accuracy']:.1f}% |")
+        lines.append(f"| {label} | {d['tokens_per_forward']:.2f} | {d['reply_tokens_per_forward']:.2f} | {accs} | "
+                     f"{100 * d['mean_accuracy']:.1f}% |")
     return "\n".join(lines)
 
 

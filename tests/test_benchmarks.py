@@ -92,5 +92,6 @@ def test_quality_benchmark_with_a_quantized_variant(tmp_path, capsys):
         assert set(r["decoding"]) == {"1 per step", "threshold 0.9"}
         assert r["decoding"]["1 per step"]["tokens_per_forward"] == 1.0
         assert r["decoding"]["threshold 0.9"]["tokens_per_forward"] >= 1.0
+        assert all(0 < d["reply_tokens_per_forward"] <= d["tokens_per_forward"] for d in r["decoding"].values())
         assert abs(r["nll"]["text@1"]["model"] - math.log(vocab)) < 0.5
     assert "| decoding | tokens/forward |" in capsys.readouterr().out
