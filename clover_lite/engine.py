@@ -95,7 +95,8 @@ class Engine:
             if self.device.type == "cuda":  # graph.py needs Triton, which CPU-only installs lack
                 from .graph import StaticStep
 
-                static_step = StaticStep.supported(model) is None
+                block = self.default_config.resolved(self.config.block_size).block_size
+                static_step = StaticStep.supported(model, block) is None
         if static_step:
             self._build_static(context or min(self.config.max_position_embeddings, 32768))
 

@@ -201,7 +201,7 @@ class CachedRunner:
     def step(self, block: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         pos = torch.tensor(list(positions), dtype=torch.long, device=self.device)
         if self.static is not None and len(block) == self.block_size:
-            return self.static(self._ids(block))[0, pos]
+            return self.static(block)[0, pos]
         logits, updates = self.model.step(self._ids(block), self.cache, pos, keep_updates=self.commit_mode == "reuse")
         self._last_updates = updates
         return logits[0]

@@ -12,9 +12,12 @@ eager. Needs the Triton backend (the reference MoE and attention are not capture
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .cache import DenoiseCache
+from .kernels.configs import ATTENTION_MAX_BLOCK_LEN as MAX_BLOCK_LEN
 from .models.denoiser import Denoiser
 from .models.moe import SparseMoE
 from .models.quantized import QuantExperts, QuantLinear
@@ -22,10 +25,13 @@ from .models.quantized import QuantExperts, QuantLinear
 
 class StaticStep:
     @staticmethod
-    def supported(model: Denoiser) -> str | None:
-        """None if the model's step can be captured, else why not."""
+    def supported(model: Denoiser, block_size: int | None = None) -> str | None:
+        """None if the model's step (blocks of block_size, default the model's) can be captured, else why not."""
         if getattr(model, "backend", "torch") != "triton":
             return "the static (CUDA-graph) step needs the Triton backend"
+        block = block_size or model.config.block_size or 1
+        if block > MAX_BLOCK_LEN:
+            return f"the static step's attention kernel takes blocks of up to {MAX_BLOCK_LEN} positions, not {block}"
         for m in model.modules():
             if isinstance(m, SparseMoE) and not (
                 isinstance(m.experts, QuantExperts) and isinstance(m.experts.gate_proj, QuantLinear)
@@ -34,7 +40,7 @@ class StaticStep:
         return None
 
     def __init__(self, model: Denoiser, cache: DenoiseCache, block_size: int):
-        why = self.supported(model)
+        why = self.supported(model, block_size)
         if why:
             raise ValueError(why)
         if cache.capacity < block_size:
@@ -44,18 +50,12 @@ class StaticStep:
         self.ids = torch.zeros(1, block_size, dtype=torch.long, device=device)
         self.length = torch.zeros(1, dtype=torch.int32, device=device)
         self.offsets = torch.arange(block_size, device=device)
-        from .kernels.attention import attention_config_for, choose_num_splits  # Triton: only when built
+        from .kernels.attention import splits_for_capacity  # Triton: imported only when a step is built
 
-        c = model.config
-        cfg = attention_config_for(device, c.head_dim, model.embed_tokens.weight.dtype)
-        rows = c.num_attention_heads // c.num_key_value_heads * block_size
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        # Splits sized for a full cache: trailing splits are simply empty while the cache is short.
-        self.num_splits = choose_num_splits(cache.capacity, c.num_key_value_heads * -(-rows // cfg.block_m), sms,
-                                            cfg.block_n)
-        for m in model.modules():
-            if isinstance(m, QuantExperts):
-                m.graph_safe = True  # always the GEMV path: a fixed number of (token, expert) pairs
+        c, dtype = model.config, model.embed_tokens.weight.dtype
+        self.num_splits = splits_for_capacity(cache.capacity, 1, c.num_attention_heads, c.num_key_value_heads,
+                                              block_size, c.head_dim, dtype, device)
+        self.experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
@@ -63,18 +63,22 @@ class StaticStep:
     def forward(self) -> torch.Tensor:
         """Logits [1, block, vocab] (fp32) of the block in self.ids after self.length committed positions."""
         m, cache = self.model, self.cache
-        x = m.embed_tokens(self.ids)
-        cos, sin = m.rotary(self.length.long() + self.offsets)
-        for i, layer in enumerate(m.layers):
-            h = layer.input_layernorm(x)
-            if layer.kind == "full_attention":
-                mixed, _ = layer.self_attn(h, cos, sin, None, (cache.keys[i], cache.values[i]),
-                                           past_len=self.length, num_splits=self.num_splits)
-            else:
-                mixed, _ = layer.linear_attn(h, cache.gdn_state(i), need_state=False)
-            x = x + mixed
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return m.logits(x)
+        # Only here (warm-up, capture, eager runs), never in prefill or commit: the MoE's GEMV path for every
+        # block, a fixed number of (token, expert) pairs (the padded path sizes its buffers on the host).
+        for e in self.experts:
+            e.graph_safe = True
+        try:
+            x = m.embed_tokens(self.ids)
+            cos, sin = m.rotary(self.length.long() + self.offsets)
+            for i, layer in enumerate(m.layers):
+                attn = layer.kind == "full_attention"
+                x, _ = layer(x, cos, sin, None, (cache.keys[i], cache.values[i]) if attn else None,
+                             None if attn else cache.gdn_state(i), need_state=False,
+                             past_len=self.length if attn else None, num_splits=self.num_splits)
+            return m.logits(x)
+        finally:
+            for e in self.experts:
+                e.graph_safe = False
 
     def capture(self) -> None:
         """Warm up (kernel selection and autotuning happen outside the graph), then capture."""
@@ -88,9 +92,9 @@ class StaticStep:
         with torch.cuda.graph(self.graph):
             self.logits = self.forward()
 
-    def __call__(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """block_ids [1, block] -> logits [1, block, vocab] for the cache's current length."""
-        self.ids.copy_(block_ids)
+    def __call__(self, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """block_ids (block,) or [1, block] -> logits [1, block, vocab] for the cache's current length."""
+        self.ids.copy_(torch.as_tensor(block_ids, dtype=torch.long).view(1, -1))  # one host-to-device copy
         self.length.fill_(self.cache.length)
         if self.graph is not None:
             self.graph.replay()

@@ -58,6 +58,9 @@ def test_static_step_equals_the_step_and_generation(tiny_dir, tmp_path):
             ref.model.prefill(ids[:, :n], cache, 4)
             dynamic, _ = ref.model.step(ids[:, n:], cache)
             torch.testing.assert_close(static, dynamic[0], atol=1e-4, rtol=1e-4)
+    # The forced GEMV MoE path is the static step's alone: prefill and commit keep the shape-based choice.
+    assert eng._static.experts and not any(e.graph_safe for e in eng._static.experts)
+    assert "up to 64" in StaticStep.supported(eng.model, 65)  # longer blocks: the eager step
     prompt = [9, 8, 7, 6, 5]
     assert eng.generate(prompt, max_new_tokens=8).token_ids == ref.generate(prompt, max_new_tokens=8).token_ids
     with pytest.raises(clover_lite.GenerationError, match="context"):

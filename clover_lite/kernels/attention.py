@@ -29,7 +29,7 @@ from . import configs
 from .dispatch import interpreting
 
 _LOG2E = 1.4426950408889634
-MAX_BLOCK_LEN = 64
+MAX_BLOCK_LEN = configs.ATTENTION_MAX_BLOCK_LEN
 MAX_HEAD_DIM = 256
 
 
@@ -267,6 +267,21 @@ def split_plan(cache_len: int, num_splits: int, block_n: int) -> tuple[int, int]
     return triton.cdiv(cache_len, per), per
 
 
+def _row_tiles(block_m: int, rows: int) -> tuple[int, int]:
+    """(block_m, number of row tiles) for `rows` = GQA group x block length query rows."""
+    block_m = min(block_m, max(16, triton.next_power_of_2(rows)))
+    return block_m, triton.cdiv(rows, block_m)
+
+
+def splits_for_capacity(capacity: int, batch: int, Hq: int, Hkv: int, L: int, head_dim: int, dtype: torch.dtype,
+                        device: torch.device) -> int:
+    """The num_splits to pass with a device-tensor cache_len (a CUDA graph's grid cannot follow the length):
+    sized for a full cache of `capacity`; trailing splits simply stay empty while the cache is short."""
+    cfg = attention_config_for(device, head_dim, dtype)
+    _, m_tiles = _row_tiles(cfg.block_m, Hq // Hkv * L)
+    return choose_num_splits(capacity, batch * Hkv * m_tiles, _sm_count(device), cfg.block_n)
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda" or interpreting():
         return 1  # the interpreter: no parallelism to fill, fewer programs are faster
@@ -308,8 +323,7 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     group = Hq // Hkv
     rows = group * L
-    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(rows)))
-    m_tiles = triton.cdiv(rows, block_m)
+    block_m, m_tiles = _row_tiles(cfg.block_m, rows)
     block_d = max(16, triton.next_power_of_2(D))
     block_l = min(cfg.block_n, max(16, triton.next_power_of_2(L)))
     if in_memory:

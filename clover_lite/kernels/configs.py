@@ -166,6 +166,7 @@ INTERPRET_ATTENTION = AttentionConfig(512, 256, 4, 1, 256)
 ATTENTION_MIN_KEYS_PER_SPLIT = 512
 ATTENTION_WAVES = 2
 ATTENTION_MAX_SPLITS = 128
+ATTENTION_MAX_BLOCK_LEN = 64  # query positions of one block the attention kernel takes (its row tiles)
 
 
 def attention_config(arch: str, head_dim: int, elem_bytes: int = 2) -> AttentionConfig:

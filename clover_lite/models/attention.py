@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import AttentionUpdate
+from ..kernels.configs import ATTENTION_MAX_BLOCK_LEN
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rotary
 
@@ -60,7 +61,7 @@ class GatedAttention(nn.Module):
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
         q = apply_rotary(self.q_norm(q).transpose(1, 2), cos, sin)
         new = self.project_kv(x, cos, sin)
-        if self.backend == "triton" and mask is None and L <= 64:
+        if self.backend == "triton" and mask is None and L <= ATTENTION_MAX_BLOCK_LEN:
             # A denoising step (or a single-block commit): every key is visible, flash-decoding kernel.
             from ..kernels.attention import block_attention
 
@@ -69,6 +70,9 @@ class GatedAttention(nn.Module):
             out = block_attention(q, kc, vc, new.k, new.v, length, self.head_dim**-0.5,
                                   gate=gate.reshape(b, L, -1), num_splits=num_splits)
             return self.o_proj(out), new
+        if past_len is not None:  # SDPA below would attend to the whole buffers, unwritten rows included
+            raise ValueError("a device-side past_len needs the Triton backend, no mask and a block of at most "
+                             f"{ATTENTION_MAX_BLOCK_LEN} positions")
         k, v = new.k, new.v
         if past is not None and past[0].shape[2] > 0:
             k = torch.cat([past[0], k], dim=2)

@@ -53,17 +53,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def mix(self, x, cos, sin, mask, past_kv, gdn_state, need_state=True) -> tuple[torch.Tensor, LayerUpdate | None]:
-        """The token mixer on the normed input; returns its output and the state it would commit."""
+    def mix(
+        self, x, cos, sin, mask, past_kv, gdn_state, need_state=True, past_len=None, num_splits=None
+    ) -> tuple[torch.Tensor, LayerUpdate | None]:
+        """The token mixer on the normed input; returns its output and the state it would commit.
+        past_len / num_splits: the static step's device-side cache length (see GatedAttention.forward)."""
         h = self.input_layernorm(x)
         if self.kind == "full_attention":
-            return self.self_attn(h, cos, sin, mask, past_kv)
+            return self.self_attn(h, cos, sin, mask, past_kv, past_len=past_len, num_splits=num_splits)
         return self.linear_attn(h, gdn_state, need_state)
 
     def forward(
-        self, x, cos, sin, mask, past_kv, gdn_state, need_state=True
+        self, x, cos, sin, mask, past_kv, gdn_state, need_state=True, past_len=None, num_splits=None
     ) -> tuple[torch.Tensor, LayerUpdate | None]:
-        mixed, update = self.mix(x, cos, sin, mask, past_kv, gdn_state, need_state)
+        mixed, update = self.mix(x, cos, sin, mask, past_kv, gdn_state, need_state, past_len, num_splits)
         x = x + mixed
         return x + self.mlp(self.post_attention_layernorm(x)), update
 

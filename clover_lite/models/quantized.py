@@ -129,7 +129,7 @@ class QuantExperts(nn.Module):
         return F.linear(F.silu(gate) * up, self.down_proj.weight_of(e, h.dtype))
 
     backend = "torch"
-    graph_safe = False  # set by graph.StaticStep: never the padded path (it sizes buffers on the host)
+    graph_safe = False  # True only inside graph.StaticStep.forward: never the padded path (host-sized buffers)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.backend == "triton" and isinstance(self.gate_proj, QuantLinear):
