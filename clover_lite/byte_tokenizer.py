@@ -79,32 +79,7 @@ def write_byte_tokenizer(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"))
 
-    config: dict[str, object] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "added_tokens_decoder": {
-            str(256 + i): {
-                "content": t,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for i, t in enumerate(special_tokens)
-        },
-        "bos_token": None,
-        "eos_token": eos_token,
-        "pad_token": PAD_TOKEN if PAD_TOKEN in special_tokens else None,
-        "mask_token": mask_token,
-        # Exact round-trips: no "clean up" of spaces before punctuation on decode.
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 1 << 30,
-    }
-    if chat_template is not None:
-        config["chat_template"] = chat_template
-    with open(out / "tokenizer_config.json", "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2, ensure_ascii=False)
-        f.write("\n")
+    write_tokenizer_config(out, tokenizer, special_tokens, eos_token, mask_token, chat_template, 1 << 30)
     return tokenizer.get_vocab_size(with_added_tokens=True)
 
 
@@ -125,3 +100,42 @@ def _check_specials(special_tokens: list[str]) -> None:
             f"write_byte_tokenizer: special tokens {clashes} are byte symbols already in the base vocab; "
             "use multi-character special tokens such as '<|name|>'."
         )
+
+
+def write_tokenizer_config(
+    out_dir: str | os.PathLike,
+    tokenizer: HFTokenizer,
+    special_tokens: list[str],
+    eos_token: str,
+    mask_token: str,
+    chat_template: str | None,
+    model_max_length: int,
+) -> None:
+    """tokenizer_config.json for a `tokenizers` tokenizer: its special tokens (ids looked up in it), eos,
+    pad, mask and the chat template (none when None)."""
+    config: dict[str, object] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": {
+            str(tokenizer.token_to_id(t)): {
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for t in special_tokens
+        },
+        "bos_token": None,
+        "eos_token": eos_token,
+        "pad_token": PAD_TOKEN if PAD_TOKEN in special_tokens else None,
+        "mask_token": mask_token,
+        # Exact round-trips: no "clean up" of spaces before punctuation on decode.
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+    }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    with open(Path(out_dir) / "tokenizer_config.json", "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+        f.write("\n")

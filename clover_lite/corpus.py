@@ -9,7 +9,6 @@ the same on every machine with the same Python. Tasks come from `clover_lite.tas
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
 import sysconfig
@@ -21,8 +20,9 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trai
 from tokenizers import Tokenizer as HFTokenizer
 
 from . import tasks
+from .byte_tokenizer import DEFAULT_SPECIALS, write_tokenizer_config
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]  # ids 0..3
+SPECIALS = DEFAULT_SPECIALS  # ids 0..3 here (trained BPE), 256.. in the byte tokenizer
 EOT, MASK = "<|endoftext|>", "<|mask|>"
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "dist-packages"}
 HELDOUT_EVERY = 20  # ~5% of the files
@@ -85,23 +85,7 @@ def write_tokenizer(tok: HFTokenizer, out_dir: str | os.PathLike) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
-    added = {
-        str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                  "single_word": False, "special": True}
-        for t in SPECIALS
-    }
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "added_tokens_decoder": added,
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": EOT,
-        "mask_token": MASK,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 8192,
-        "chat_template": tasks.CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    write_tokenizer_config(out, tok, SPECIALS, "<|im_end|>", MASK, tasks.CHAT_TEMPLATE, 8192)
 
 
 def encode_corpus(tok: HFTokenizer, texts: list[str]) -> torch.Tensor:

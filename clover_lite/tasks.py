@@ -17,14 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
+from .byte_tokenizer import DEFAULT_CHAT_TEMPLATE
+
 TASKS = ("sort", "add", "reverse", "rules")
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = DEFAULT_CHAT_TEMPLATE  # ChatML, as the tiny test checkpoints use
 
 HELDOUT_SIZE = 1000  # instances per task kept out of training; evaluations use a prefix of them
 _HELDOUT_SEED = 7_000_000
@@ -124,13 +121,10 @@ TRAIN_ONLY: dict[str, Callable[[random.Random], tuple[str, str]]] = {"rules-look
 
 
 def generate(task: str, rng: random.Random) -> Example:
-    if task in TRAIN_ONLY:
-        prompt, answer = TRAIN_ONLY[task](rng)
-        return Example(task, prompt, answer)
-    if task not in GENERATORS:
+    make = GENERATORS.get(task) or TRAIN_ONLY.get(task)
+    if make is None:
         raise ValueError(f"unknown task '{task}'; tasks are {TASKS} (and, for training, {tuple(TRAIN_ONLY)})")
-    prompt, answer = GENERATORS[task](rng)
-    return Example(task, prompt, answer)
+    return Example(task, *make(rng))
 
 
 # ---- splits ------------------------------------------------------------------------------------

@@ -103,10 +103,10 @@ def block_diffusion_forward(model: Denoiser, clean: torch.Tensor, noisy: torch.T
     mask = two_stream_mask(T, B, device)
     aux, loads = [], []
     for layer in model.layers:
-        h = layer.input_layernorm(x)
         if layer.kind == "full_attention":
-            mixed, _ = layer.self_attn(h, cos, sin, mask, None)
+            mixed, _ = layer.mix(x, cos, sin, mask, None, None)
         else:
+            h = layer.input_layernorm(x)
             clean_out, rec, tails = gdn_block_states(layer.linear_attn, h[:, :T], B)
             # Each noisy block is its own sequence, starting from the committed state at its block start.
             hn = h[:, T:].reshape(b * nb, B, -1)
@@ -116,22 +116,23 @@ def block_diffusion_forward(model: Denoiser, clean: torch.Tensor, noisy: torch.T
         x = x + mixed
         h = layer.post_attention_layernorm(x)
         if isinstance(layer.mlp, SparseMoE):
-            a, load = load_balancing_loss(layer.mlp, h)
+            out, probs, ids = layer.mlp(h, return_routing=True)
+            a, load = load_balancing_loss(probs, ids)
             aux.append(a)
             loads.append(load)
-        x = x + layer.mlp(h)
+        else:
+            out = layer.mlp(h)
+        x = x + out
     aux_loss = torch.stack(aux).mean() if aux else x.new_zeros(())
     expert_load = torch.stack(loads) if loads else x.new_zeros(0, 0)
     return ForwardOut(hidden=x[:, T:], aux_loss=aux_loss, expert_load=expert_load)
 
 
-def load_balancing_loss(moe: SparseMoE, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Switch-Transformer balance loss E * sum_e f_e * P_e (1.0 when routing is uniform), where f_e is the
-    share of routed (token, k) pairs and P_e the mean router probability of expert e."""
-    flat = h.reshape(-1, h.shape[-1])
-    probs = torch.softmax(F.linear(flat, moe.gate.weight), dim=-1, dtype=torch.float32)
+def load_balancing_loss(probs: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Switch-Transformer balance loss E * sum_e f_e * P_e (1.0 when routing is uniform) from the router's
+    probabilities [T, E] and chosen ids [T, k]: f_e is the share of routed (token, k) pairs and P_e the mean
+    router probability of expert e. Also returns f."""
     n_exp = probs.shape[-1]
-    ids = probs.topk(moe.gate.top_k, dim=-1).indices
     frac = torch.bincount(ids.reshape(-1), minlength=n_exp).float() / ids.numel()
     return n_exp * (frac * probs.mean(0)).sum(), frac
 

@@ -33,6 +33,7 @@ from clover_lite import corpus, tasks
 from clover_lite.models.config import config_from_dict
 from clover_lite.models.denoiser import Denoiser
 from clover_lite.saver import save_checkpoint
+from clover_lite.tiny import tiny_config
 from clover_lite.train import TrainConfig, init_weights, jsonl_logger, lr_at, train
 
 BLOCK_SIZE = 4
@@ -44,37 +45,14 @@ def model_config(tok: HFTokenizer) -> dict:
     at this size and budget the tasks are copying tasks, which attention learns faster."""
     ids = {t: tok.token_to_id(t) for t in corpus.SPECIALS}
     gdn, att = "linear_attention", "full_attention"
-    return {
-        "architectures": ["CloverMoeForBlockDiffusion"],
-        "model_type": "clover_moe",
-        "vocab_size": tok.get_vocab_size(),
-        "hidden_size": 192,
-        "num_hidden_layers": 8,
-        "layer_types": [gdn, att] * 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 48,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 48,
-        "linear_value_head_dim": 48,
-        "linear_conv_kernel_dim": 4,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 128,
-        "shared_expert_intermediate_size": 192,
-        "norm_topk_prob": True,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 2048,
-        "tie_word_embeddings": True,
-        "eos_token_id": ids["<|im_end|>"],
-        "pad_token_id": ids["<|endoftext|>"],
-        "mask_token_id": ids["<|mask|>"],
-        "block_size": BLOCK_SIZE,
-        "dtype": "float16",
-    }
+    return tiny_config(
+        vocab_size=tok.get_vocab_size(), hidden_size=192, num_hidden_layers=8, layer_types=[gdn, att] * 4,
+        head_dim=48, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        linear_key_head_dim=48, linear_value_head_dim=48, moe_intermediate_size=128,
+        shared_expert_intermediate_size=192, norm_topk_prob=True, max_position_embeddings=2048,
+        tie_word_embeddings=True, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        mask_token_id=ids["<|mask|>"], block_size=BLOCK_SIZE, dtype="float16",
+    )
 
 
 def prepare(args) -> None:

@@ -84,9 +84,7 @@ def test_gdn_block_states_are_what_the_cache_holds():
     layer = model.layers[0].linear_attn
     x = torch.randn(2, 20, 64, generator=torch.Generator().manual_seed(2))
     out, rec, tails = gdn_block_states(layer, x, 4)
-    c = model.config
-    state = (torch.zeros(2, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
-             torch.zeros(2, c.gdn_conv_dim, c.linear_conv_kernel_dim - 1))
+    state = model.zero_gdn_state(2, x)
     torch.testing.assert_close(out, layer(x, state)[0], atol=1e-5, rtol=1e-5)
     for j in range(5):
         torch.testing.assert_close(rec[:, j], state[0], atol=1e-5, rtol=1e-5)

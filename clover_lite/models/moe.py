@@ -21,11 +21,18 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
-        probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
+        return self.select(self.probs(x), x.dtype)
+
+    def probs(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> router probabilities [T, E] (fp32)."""
+        return torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
+
+    def select(self, probs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k of the probabilities: (weights [T, k] in dtype, renormalised if configured, expert ids [T, k])."""
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        return weights.to(dtype), ids
 
 
 class Experts(nn.Module):
@@ -82,11 +89,16 @@ class SparseMoE(nn.Module):
         )
         self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False) if self.shared_expert else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, return_routing: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., hidden] -> output of x's shape; with return_routing also the router's probabilities
+        [T, E] and chosen expert ids [T, k] (training's load-balancing loss reads them)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, ids = self.gate(flat)
+        probs = self.gate.probs(flat)
+        weights, ids = self.gate.select(probs, flat.dtype)
         out = self.experts(flat, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return out.reshape(shape)
+        return (out.reshape(shape), probs, ids) if return_routing else out.reshape(shape)
