@@ -6,9 +6,10 @@ accuracy, and tokens per forward against the decoding threshold (the speed/quali
     python benchmarks/quality.py --quant rtn gptq nf4           # + its 4-bit versions, quantized here
 
 Every model directory is one set of rows (e.g. the bundled model and its INT4 variants; `--quant` makes
-those with `clover quantize`'s pipeline, calibrated on the training split, in a temporary directory): `evaluate(dir)`
-returns a dict, `main` prints a table, writes benchmarks/out/quality.json and, when matplotlib is
-importable, benchmarks/out/quality.png (accuracy against tokens per forward).
+those with `clover quantize`'s pipeline, calibrated on the training split, in a temporary directory):
+`evaluate(engine, heldout_data(engine, n))` returns a dict (the held-out data is built once per tokenizer);
+`main` prints a table, writes benchmarks/out/quality.json and, when matplotlib is importable,
+benchmarks/out/quality.png (accuracy against tokens per forward).
 
 - NLL: held-out text (stdlib files held out by `clover_lite.corpus`) and held-out task chats, in windows
   on the block grid; every block masked at a fixed ratio (ceil(r * B) positions), the clean prefix
@@ -50,7 +51,7 @@ WINDOW = 192
 def heldout_text_windows(engine: Engine, n: int, length: int = WINDOW, seed: int = 0) -> torch.Tensor:
     """n windows of held-out stdlib text, from a deterministic spread of starting points."""
     _, held = corpus.split_files()
-    ids = torch.tensor(_encode_stream(engine, corpus.read_texts(held)), dtype=torch.long)
+    ids = corpus.encode_corpus(_hf(engine), corpus.read_texts(held)).long()
     rng = random.Random(seed)
     starts = sorted(rng.randrange(len(ids) - length) for _ in range(n))
     return torch.stack([ids[s : s + length] for s in starts])
@@ -83,14 +84,6 @@ def _hf(engine: Engine):
     return HFTokenizer.from_file(str(Path(engine.path) / "tokenizer.json"))
 
 
-def _encode_stream(engine: Engine, texts: Sequence[str]) -> list[int]:
-    eot = engine.tokenizer.encode(corpus.EOT)[0]
-    out: list[int] = []
-    for t in texts:
-        out += engine.tokenizer.encode(t) + [eot]
-    return out
-
-
 def unigram_logprobs(engine: Engine) -> dict[str, torch.Tensor]:
     """Add-one unigram log-probabilities of the training split, for text and for task chats (cached per
     tokenizer under benchmarks/out/, since tokenizing the training text takes a few seconds)."""
@@ -101,9 +94,9 @@ def unigram_logprobs(engine: Engine) -> dict[str, torch.Tensor]:
         return torch.load(cache, weights_only=True)
     V = engine.config.vocab_size
     train_files, _ = corpus.split_files()
-    text = torch.tensor(_encode_stream(engine, corpus.read_texts(train_files)))
-    rng = random.Random(1)
     hf = _hf(engine)
+    text = corpus.encode_corpus(hf, corpus.read_texts(train_files)).long()
+    rng = random.Random(1)
     replies = [corpus.encode_chat(hf, tasks.sample_train(rng)) for _ in range(5000)]
     task = torch.tensor([i for ids, reply in replies for i, r in zip(ids, reply, strict=True) if r])
     out = {}
@@ -176,29 +169,29 @@ def task_accuracy(engine: Engine, n: int, decoding: dict, max_new_tokens: int = 
             "first_failure": failures}
 
 
+def heldout_data(engine: Engine, n_windows: int) -> dict:
+    """What the NLL rows need, a function of the tokenizer alone: the unigram and the held-out windows."""
+    return {"unigram": unigram_logprobs(engine),
+            "sets": {"text": (heldout_text_windows(engine, n_windows), None),
+                     "task replies": heldout_task_windows(engine, n_windows)}}
+
+
 def evaluate(
-    model_dir: str | Path | None = None,
-    n_windows: int = 32,
+    engine: Engine,
+    data: dict,
     n_task: int = 100,
     thresholds: Sequence[float] = THRESHOLDS,
-    load: Callable[[Path], Engine] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
-    """All measurements of one model directory (None: the bundled model). `load` builds the Engine
-    (default `clover_lite.load(dir, device="cpu")`), so variants with their own loader fit in."""
-    path = Path(model_dir) if model_dir is not None else BUNDLED_MODEL
-    engine = (load or (lambda p: clover_lite.load(p, device="cpu")))(path)
+    """All measurements of one loaded model on `heldout_data` of its tokenizer."""
     say = progress or (lambda msg: None)
-    files = list(path.glob("*.safetensors"))
-    result: dict = {"model": str(path), "weights_mb": sum(f.stat().st_size for f in files) / 1e6,
+    files = list(Path(engine.path).glob("*.safetensors"))
+    result: dict = {"model": str(engine.path), "weights_mb": sum(f.stat().st_size for f in files) / 1e6,
                     "block_size": engine.config.block_size, "nll": {}, "decoding": {}}
-    uni = unigram_logprobs(engine)
-    sets = {"text": (heldout_text_windows(engine, n_windows), None),
-            "task replies": heldout_task_windows(engine, n_windows)}
-    for name, (windows, maskable) in sets.items():
+    for name, (windows, maskable) in data["sets"].items():
         for r in RATIOS:
             say(f"NLL {name} ratio {r}")
-            unigram = uni["text" if name == "text" else "tasks"]
+            unigram = data["unigram"]["text" if name == "text" else "tasks"]
             result["nll"][f"{name}@{r:g}"] = masked_nll(engine, windows, r, unigram, maskable)
     for label, decoding in decode_settings(engine.config.block_size, thresholds):
         say(f"tasks, {label}")
@@ -274,8 +267,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"[{dirs[0]}] quantizing: {method}, group {args.group_size}", file=sys.stderr, flush=True)
             report = quantize_model(dirs[0], Path(tmp) / method, opts)
             named.append((f"{dirs[0]} {method} g{args.group_size}", str(report.out)))
+        data: dict[str, dict] = {}  # per tokenizer: each --models dir, shared by its 4-bit copies
         for name, d in named:
-            results[name] = evaluate(d, args.n_windows, args.n_task, args.thresholds,
+            engine = clover_lite.load(d, device="cpu")
+            source = d if name in dirs else dirs[0]
+            if source not in data:
+                data[source] = heldout_data(engine, args.n_windows)
+            results[name] = evaluate(engine, data[source], args.n_task, args.thresholds,
                                      progress=lambda msg, name=name: print(f"[{name}] {msg}", file=sys.stderr,
                                                                            flush=True))
     print(table(results))

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from tokenizers import Tokenizer as HFTokenizer
 
 import clover_lite
 from clover_lite import corpus
@@ -32,12 +33,9 @@ def test_loads_without_a_path_and_fits_the_budget(engine):
         assert word in card, word
 
 
-def _stream(engine, files):
-    eot = engine.tokenizer.encode(corpus.EOT)[0]
-    out = []
-    for text in corpus.read_texts(files):
-        out += engine.tokenizer.encode(text) + [eot]
-    return torch.tensor(out)
+def _stream(files):
+    tok = HFTokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json"))
+    return corpus.encode_corpus(tok, corpus.read_texts(files)).long()
 
 
 @torch.no_grad()
@@ -46,9 +44,9 @@ def test_beats_unigram_on_heldout_text(engine):
     if not held:
         pytest.skip("no standard library sources on this machine")
     # A unigram from a slice of the training split: enough for a baseline that the model must clear.
-    counts = torch.bincount(_stream(engine, train_files[::10]), minlength=engine.config.vocab_size).double() + 1
+    counts = torch.bincount(_stream(train_files[::10]), minlength=engine.config.vocab_size).double() + 1
     unigram = (counts / counts.sum()).log()
-    ids = _stream(engine, held[:8])
+    ids = _stream(held[:8])
     B, T = engine.config.block_size, 96
     windows = torch.stack([ids[s : s + T] for s in range(0, min(len(ids) - T, 6 * 997), 997)])
     noisy, masked = noise_blocks(windows, B, engine.mask_token_id, torch.Generator().manual_seed(0), ratio=0.5)

@@ -11,7 +11,6 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -28,9 +27,7 @@ from ..planner import (
     parse_quant,
     plan,
 )
-from ..random_weights import init_random_
-
-ProgressFn = Callable[[str, int, int], None]  # (stage, done, total)
+from ..random_weights import ProgressFn, init_random_
 
 
 def random_model(config, quant: str, device: torch.device, dtype: torch.dtype | None = None, seed: int = 0,
