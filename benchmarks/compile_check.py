@@ -25,13 +25,16 @@ from clover_lite.kernels import gdn as gdn_k  # noqa: E402
 from clover_lite.kernels import sampling as samp_k  # noqa: E402
 from clover_lite.kernels import w4a16 as w4_k  # noqa: E402
 
-CAPS = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90": 90, "sm_100": 100, "sm_120": 120}
 FLOAT_SCALARS = {"qk_scale", "inv_temp"}
 
 
 def source(fn, pointers: dict[str, str], consts: dict) -> ASTSource:
-    """An ASTSource for `fn`: pointer types from `pointers` (default *fp32), i32 scalars, constexprs."""
+    """An ASTSource for `fn`: pointer types from `pointers` (default *fp32), i32 scalars, constexprs (every
+    one of the kernel's must be given: a missing one would silently compile as an i32 argument)."""
     names = fn.arg_names
+    missing = [names[i] for i in fn.constexprs if names[i] not in consts]
+    if missing:
+        raise ValueError(f"{fn.__name__}: no value for constexpr(s) {missing}")
     sig = {}
     for n in names:
         if n in consts:
@@ -88,17 +91,19 @@ def cases(arch: str, quick: bool):
                {"logits_ptr": "*bf16", "idx_ptr": "*i64"}, dict(BLOCK_V=4096, SAMPLE=sample), 8, 1, None)
     for D in (128, 256):
         cfg = configs.attention_config(arch, D, 2)
-        for split in (False, True):
-            consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=D, BLOCK_L=min(cfg.block_n, 32),
-                          SPLIT=split, HAS_GATE=True, DOT_IEEE=False)
-            ptrs = {n: act for n in ("q_ptr", "kc_ptr", "vc_ptr", "kb_ptr", "vb_ptr", "gate_ptr", "out_ptr")}
-            yield (f"attention D{D}{' split' if split else ''}", attn_k._block_attn_kernel, ptrs, consts,
-                   cfg.num_warps, cfg.num_stages, cfg.smem_bytes(D, 2))
+        for in_memory in (False, True):  # True: the CUDA-graph step's form (cache length read on the device)
+            for split in (False, True):
+                consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=D, BLOCK_L=min(cfg.block_n, 32),
+                              SPLIT=split, HAS_GATE=True, DOT_IEEE=False, LEN_IN_MEMORY=in_memory)
+                ptrs = {n: act for n in ("q_ptr", "kc_ptr", "vc_ptr", "kb_ptr", "vb_ptr", "gate_ptr", "out_ptr")}
+                ptrs["cache_len_ptr"] = "*i32"
+                yield (f"attention D{D}{' graph' if in_memory else ''}{' split' if split else ''}",
+                       attn_k._block_attn_kernel, ptrs, consts, cfg.num_warps, cfg.num_stages, cfg.smem_bytes(D, 2))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--archs", nargs="+", default=list(CAPS))
+    ap.add_argument("--archs", nargs="+", default=list(configs.SMEM_LIMIT))
     ap.add_argument("--quick", action="store_true", help="fewer M buckets and variants")
     ap.add_argument("--only", nargs="+", help="only the cases whose names contain one of these words")
     args = ap.parse_args(argv)
@@ -109,7 +114,7 @@ def main(argv=None) -> int:
             if args.only and not any(w in name for w in args.only):
                 continue
             try:
-                shared = compile_one(fn, ptrs, consts, CAPS[arch], warps, stages)
+                shared = compile_one(fn, ptrs, consts, int(arch.removeprefix("sm_")), warps, stages)
             except Exception as e:  # report every failure, then exit non-zero
                 failures += 1
                 print(f"FAIL {arch} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
