@@ -219,11 +219,11 @@ def load(
     if check_memory:
         from .planner import check_load
 
-        p = check_load(model_path, config, dev, dt)
+        p = check_load(model_path, config, dev, dt, context)
         if context is None and p is not None and dev.type == "cuda":
-            # The engine's cache (and its CUDA graph) is sized once: as long as fits, up to 32K by default.
-            fit = p.max_context(p.target.capacity)
-            context = max(1024, min(config.max_position_embeddings, 32768, fit))
+            # The engine's cache (and its CUDA graph) is sized once: as long as fits (at least the checked
+            # context, since the check passed), up to 32K by default.
+            context = min(config.max_position_embeddings, 32768, p.max_context(p.target.capacity))
     model, report = load_model(model_path, config, dev, dt, progress, kernels=kernels)
     tokenizer = None
     if any((model_path / f).exists() for f in ("tokenizer.json", "tokenizer.model")):

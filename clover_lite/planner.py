@@ -741,17 +741,19 @@ def model_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def check_load(path: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> MemoryPlan | None:
+def check_load(path: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+               context: int | None = None) -> MemoryPlan | None:
     """Called by `load` before allocating: raise MemoryPlanError when the model will not fit.
 
-    CUDA: the plan at LOAD_CHECK_CONTEXT tokens against the device's free memory. CPU: only refuse when the
+    CUDA: the plan at `context` tokens (the engine's, when the caller fixed it; else LOAD_CHECK_CONTEXT)
+    against the device's free memory. CPU: only refuse when the
     weights alone exceed the available RAM (swap and overcommit make anything less a guess)."""
     from .loader import read_quant_config
 
     if device.type not in ("cpu", "cuda"):
         return None
     qc = read_quant_config(path)
-    context = min(config.max_position_embeddings, LOAD_CHECK_CONTEXT)
+    context = context or min(config.max_position_embeddings, LOAD_CHECK_CONTEXT)
     p = plan(config, qc, context, device, dtype=dtype, _name=path.name)
     if device.type == "cuda":
         if not p.fits():

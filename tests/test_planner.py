@@ -197,6 +197,8 @@ def test_load_check_on_cuda_uses_free_memory(tiny_dir, monkeypatch):
     assert "cuda (free now)" in str(e.value)
     monkeypatch.setattr(planner, "cuda_free_memory", lambda dev: (20 * GiB, 24 * GiB))
     assert planner.check_load(tiny_dir, config, torch.device("cuda"), torch.bfloat16).fits()
+    # A context the caller fixed is the one checked (the engine's cache is allocated at it).
+    assert planner.check_load(tiny_dir, config, torch.device("cuda"), torch.bfloat16, 8000).context_len == 8000
 
 
 # ---- clover info ----------------------------------------------------------------------------------
