@@ -15,7 +15,8 @@ benchmarks/out/quality.png (accuracy against tokens per forward).
   on the block grid; every block masked at a fixed ratio (ceil(r * B) positions), the clean prefix
   visible: the training objective at that ratio, computed with the training forward (equal to the
   runtime's reference forward, tests/test_train.py). Unigram: token frequencies of the training split.
-- Tasks: greedy generation with the Engine on held-out instances, exact match of the answer.
+- Tasks: greedy generation with the Engine on held-out instances, exact match of the answer (`rules`: its
+  final yes/no, `tasks.is_correct`; `exact` also counts the derivation written before it).
 - Decoding: one token per step (`fixed`, steps = block size) and `threshold` at several values. Tokens per
   forward counts every committed position; reply tokens per forward only the answer and its end-of-turn
   token (the positions after it, which complete the last block, are committed too but are not text).
@@ -144,24 +145,26 @@ def decode_settings(block_size: int, thresholds: Sequence[float]) -> list[tuple[
 
 
 def task_accuracy(engine: Engine, n: int, decoding: dict, max_new_tokens: int = 40) -> dict:
-    """Exact-match accuracy per task on n held-out instances each, and tokens per forward overall."""
-    acc, committed, reply, forwards, eos, t0 = {}, 0, 0, 0, 0, time.perf_counter()
+    """Accuracy per task on n held-out instances each (`tasks.is_correct`; `exact`: the whole reply), and
+    tokens per forward overall."""
+    acc, exact, committed, reply, forwards, eos, t0 = {}, {}, 0, 0, 0, 0, time.perf_counter()
     failures = {}
     for task in tasks.TASKS:
-        right = 0
+        right = same = 0
         for ex in tasks.eval_set(task, n):
             out = engine.generate([{"role": "user", "content": ex.prompt}], max_new_tokens=max_new_tokens,
                                   temperature=0.0, **decoding)
-            ok = out.text.strip() == ex.answer
+            ok = tasks.is_correct(ex, out.text)
             right += ok
+            same += out.text.strip() == ex.answer
             if not ok and task not in failures:
                 failures[task] = {"prompt": ex.prompt, "answer": ex.answer, "got": out.text}
             eos += out.finish_reason == "eos"
             committed += out.stats.committed_tokens
             reply += out.stats.new_tokens + (out.finish_reason == "eos")  # the answer and its end of turn
             forwards += out.stats.forwards
-        acc[task] = right / n
-    return {"accuracy": acc, "mean_accuracy": sum(acc.values()) / len(acc),
+        acc[task], exact[task] = right / n, same / n
+    return {"accuracy": acc, "exact": exact, "mean_accuracy": sum(acc.values()) / len(acc),
             "tokens_per_forward": committed / max(forwards, 1), "forwards": forwards,
             # Without the positions after the end of turn that complete its block (committed, but not text).
             "reply_tokens_per_forward": reply / max(forwards, 1),

@@ -4,7 +4,8 @@ The bundled model is trained on them and `benchmarks/quality.py` measures it on 
 - sort:    "sort: 5 3 9 1"                      -> "1 3 5 9"   (2-8 numbers, 0-9 or 0-99)
 - add:     "add: 23 + 58"                       -> "81"        (two numbers of 1-2 digits)
 - reverse: "reverse: c a b l e"                 -> "e l b a c" (3-7 random letters, spelled out)
-- rules:   "facts: ... rules: if A then B ... question: is X P?" -> "yes" / "no" (forward chaining)
+- rules:   "facts: ... rules: if A then B ... question: is X P?" -> "A. so B. yes" (forward chaining shown,
+           then yes / no)
 
 Reverse spells words letter by letter because a tiny BPE model cannot see the letters inside a token.
 A fixed held-out set per task (its own seed) is never produced by the training sampler.
@@ -68,24 +69,33 @@ PROPS = ("red", "big", "cold", "kind", "fast", "old", "shy", "tall")
 
 def _rules(rng: random.Random) -> tuple[str, str]:
     """One or two facts, a chain of rules from a fact, a distractor rule whose premise is false; the
-    question asks about an atom that follows (yes) or one that does not (no), half and half."""
-    atoms = rng.sample([(n, p) for n in NAMES for p in PROPS], 6)
+    question asks about an atom that follows (yes) or one that does not (no), half and half. Every atom is
+    about a different person.
+
+    The answer shows its work, then answers: the facts, each derived atom with "so" in the order forward
+    chaining finds it, then yes or no ("Ann is red. so Bob is big. yes"). A bare yes/no gives one token
+    of signal per example and a tiny model never learnt it (it answered "no" to everything); written out,
+    each step is one lookup of a rule whose premise is already stated, and the answer a lookup in the
+    model's own list. Only the last word is scored (`is_correct`)."""
+    # Six people, one property each: a name stands for its atom, so reading an atom is one token's lookup
+    # (with names shared between atoms the model copied "Bob is" from one atom and the property from another).
+    atoms = [(n, rng.choice(PROPS)) for n in rng.sample(NAMES, 6)]
     chain = atoms[: rng.randint(2, 3)]  # fact -> ... -> conclusion
     off = atoms[3:5]  # a rule whose premise is never true
     facts = [chain[0]] + ([atoms[5]] if rng.random() < 0.5 else [])
     rules = [(chain[i], chain[i + 1]) for i in range(len(chain) - 1)] + [tuple(off)]
     rng.shuffle(rules)
     rng.shuffle(facts)
-    true = set(facts)
+    known = list(facts)
     changed = True
-    while changed:  # forward chaining to the fixed point
+    while changed:  # forward chaining to the fixed point, in the order atoms are found
         changed = False
         for a, b in rules:
-            if a in true and b not in true:
-                true.add(b)
+            if a in known and b not in known:
+                known.append(b)
                 changed = True
     if rng.random() < 0.5:
-        q, ans = rng.choice(sorted(true)), "yes"
+        q, ans = rng.choice(sorted(known)), "yes"
     else:
         q, ans = rng.choice(off), "no"
 
@@ -97,34 +107,27 @@ def _rules(rng: random.Random) -> tuple[str, str]:
         + " rules: " + " ".join(f"if {say(a)} then {say(b)}." for a, b in rules)
         + f" question: is {q[0]} {q[1]}?"
     )
-    return text, ans
-
-
-def _rules_lookup(rng: random.Random) -> tuple[str, str]:
-    """The first step of `rules` (a training curriculum, never evaluated): one or two facts and a rule whose
-    premise is false, same format; the question is a fact (yes) or an atom of the rule (no)."""
-    atoms = rng.sample([(n, p) for n in NAMES for p in PROPS], 4)
-    facts, off = atoms[: rng.randint(1, 2)], atoms[2:4]
-    q, ans = (rng.choice(facts), "yes") if rng.random() < 0.5 else (rng.choice(off), "no")
-    text = (
-        "facts: " + " ".join(f"{n} is {p}." for n, p in facts)
-        + f" rules: if {off[0][0]} is {off[0][1]} then {off[1][0]} is {off[1][1]}."
-        + f" question: is {q[0]} {q[1]}?"
-    )
-    return text, ans
+    work = [say(f) + "." for f in facts] + [f"so {say(b)}." for b in known[len(facts):]]
+    return text, " ".join(work + [ans])
 
 
 GENERATORS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "sort": _sort, "add": _add, "reverse": _reverse, "rules": _rules,
 }
-TRAIN_ONLY: dict[str, Callable[[random.Random], tuple[str, str]]] = {"rules-lookup": _rules_lookup}
 
 
 def generate(task: str, rng: random.Random) -> Example:
-    make = GENERATORS.get(task) or TRAIN_ONLY.get(task)
-    if make is None:
-        raise ValueError(f"unknown task '{task}'; tasks are {TASKS} (and, for training, {tuple(TRAIN_ONLY)})")
-    return Example(task, *make(rng))
+    if task not in GENERATORS:
+        raise ValueError(f"unknown task '{task}'; tasks are {TASKS}")
+    return Example(task, *GENERATORS[task](rng))
+
+
+def is_correct(ex: Example, reply: str) -> bool:
+    """Exact match of the answer; for `rules` the final yes/no (the derivation before it is not scored)."""
+    if ex.task == "rules":
+        words = reply.split()
+        return bool(words) and words[-1] == ex.answer.split()[-1]
+    return reply.strip() == ex.answer
 
 
 # ---- splits ------------------------------------------------------------------------------------

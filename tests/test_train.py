@@ -223,15 +223,18 @@ def test_lr_schedule():
 
 # ---- tasks -----------------------------------------------------------------------------------------
 def _forward_chain(prompt: str) -> str:
-    """Parse a rules prompt and answer it by repeated rule application (independent of tasks._rules)."""
+    """Parse a rules prompt and answer it from the text alone (independent of tasks._rules): the facts, then
+    each atom a rule adds, pass after pass over the rules in their order, then yes or no."""
     facts_part, rest = prompt.removeprefix("facts: ").split(" rules: ")
     rules_part, question = rest.split(" question: is ")
-    known = {f.strip() for f in facts_part.split(".") if f.strip()}
+    facts = [f.strip() for f in facts_part.split(".") if f.strip()]
     rules = [r.strip().removeprefix("if ").split(" then ") for r in rules_part.split(".") if r.strip()]
+    known = list(facts)
     for _ in rules:  # len(rules) passes reach the fixed point
-        known |= {b for a, b in rules if a in known}
+        known += [b for a, b in rules if a in known and b not in known]
     name, prop = question.rstrip("?").split(" ")
-    return "yes" if f"{name} is {prop}" in known else "no"
+    steps = [f + "." for f in facts] + [f"so {b}." for b in known[len(facts):]]
+    return " ".join(steps + ["yes" if f"{name} is {prop}" in known else "no"])
 
 
 def test_tasks_are_checkable_and_held_out():
@@ -250,9 +253,17 @@ def test_tasks_are_checkable_and_held_out():
             assert ex.answer == ex.prompt[9:][::-1]
         else:
             assert ex.answer == _forward_chain(ex.prompt)
-    lookups = [tasks.sample_train(rng, ("rules-lookup",)) for _ in range(400)]  # the curriculum step of rules
-    assert all(ex.answer == _forward_chain(ex.prompt) and ex.prompt not in held for ex in lookups)
-    assert 0.4 < sum(ex.answer == "yes" for ex in lookups) / 400 < 0.6
-    answers = [ex.answer for ex in tasks.eval_set("rules", 400)]
+    answers = [ex.answer.split()[-1] for ex in tasks.eval_set("rules", 400)]
     assert 0.4 < answers.count("yes") / 400 < 0.6
+    assert {ex.answer.count(" so ") for ex in tasks.eval_set("rules", 400)} == {1, 2}  # atoms derived
     assert tasks.eval_set("sort", 5) == tasks.eval_set("sort", 5)
+
+
+def test_rules_are_scored_on_the_final_answer_and_others_exactly():
+    ex = tasks.Example("rules", "facts: Ann is red. rules: ... question: is Bob big?", "Ann is red. so Bob is big. yes")
+    assert tasks.is_correct(ex, " Ann is red. so Bob is big. yes")
+    assert tasks.is_correct(ex, "Ann is red. yes")  # the derivation is shown, not scored
+    assert not tasks.is_correct(ex, "Ann is red. so Bob is big. no")
+    assert not tasks.is_correct(ex, "") and not tasks.is_correct(ex, "yes no")
+    add = tasks.Example("add", "add: 2 + 3", "5")
+    assert tasks.is_correct(add, " 5") and not tasks.is_correct(add, "5 5") and not tasks.is_correct(add, "6")
