@@ -9,11 +9,13 @@ Phases 1-2, from scratch:
     python examples/train_tiny.py export --workdir runs/tiny --out /tmp/clover-tiny-2000
 
 Phase 3, a fine-tune of that export (fresh optimizer, its own step count and cosine) after `rules` replies
-became derivations (clover_lite/tasks.py); runs/ft/prior.json describes phases 1-2 for the card:
+became derivations (clover_lite/tasks.py); prior.json describes phases 1-2 for the card:
 
     python examples/train_tiny.py prepare --workdir runs/ft --tokenizer-from /tmp/clover-tiny-2000
+    cp examples/clover_tiny_prior.json runs/ft/prior.json
     python examples/train_tiny.py train --workdir runs/ft --init-from /tmp/clover-tiny-2000 --seed 3 \
         --steps 900 --lr 0.002 --warmup 30 --threads 2 --task-weights rules=4
+    # phases 4 and 5: the same command with --steps 1400, then --steps 2100 (each resumes state.pt)
 
 Evaluation, card and export:
 
