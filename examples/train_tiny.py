@@ -79,8 +79,7 @@ def prepare(args) -> None:
     t0 = time.time()
     if args.tokenizer_from:  # fine-tuning a model: its tokenizer, not a new one
         (work / "tokenizer").mkdir(exist_ok=True)
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            (work / "tokenizer" / f).write_bytes((Path(args.tokenizer_from) / f).read_bytes())
+        _copy_tokenizer(Path(args.tokenizer_from), work / "tokenizer")
         tok = HFTokenizer.from_file(str(work / "tokenizer" / "tokenizer.json"))
     else:
         rng = random.Random(args.seed)
@@ -144,6 +143,11 @@ def _weights(spec: str | None) -> dict[str, int] | None:
     return weights
 
 
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (dst / f).write_bytes((src / f).read_bytes())
+
+
 def export(args) -> None:
     work = Path(args.workdir)
     model, cfg_json, _ = _model(work, args.seed)
@@ -152,8 +156,7 @@ def export(args) -> None:
     card = Path(args.card).read_text() if args.card else None
 
     def extra(d: Path) -> None:
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            (d / f).write_bytes((work / "tokenizer" / f).read_bytes())
+        _copy_tokenizer(work / "tokenizer", d)
         if card is not None:
             (d / "README.md").write_text(card)
 
@@ -231,8 +234,8 @@ def _phases(work: Path, run: dict, prior: dict) -> str:
     here = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [run]
     lines = ["| phase | steps | task weights | learning rate | threads |", "|---|---|---|---|---|"]
     start = 0
-    for i, a in enumerate(prior["phases"] + here, 1):
-        offset = prior["steps"] if a in here else 0
+    offsets = [0] * len(prior["phases"]) + [prior["steps"]] * len(here)
+    for i, (a, offset) in enumerate(zip(prior["phases"] + here, offsets, strict=True), 1):
         cfg = TrainConfig(steps=a["steps"], lr=a["lr"], warmup=a["warmup"])
         weights = a.get("task_weights") or "uniform"
         first = max(start - offset, a["warmup"] - 1)
