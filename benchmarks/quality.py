@@ -16,7 +16,9 @@ benchmarks/out/quality.png (accuracy against tokens per forward).
   visible: the training objective at that ratio, computed with the training forward (equal to the
   runtime's reference forward, tests/test_train.py). Unigram: token frequencies of the training split.
 - Tasks: greedy generation with the Engine on held-out instances, exact match of the answer (`rules`: its
-  final yes/no, `tasks.is_correct`; `exact` also counts the derivation written before it).
+  final yes/no, `tasks.is_correct`; `exact` also counts the derivation written before it). Rules accuracy
+  is also split by how many rules the question sits behind (`tasks.rule_steps`), beside the shortcut "yes
+  exactly when the asked atom is a fact", which needs no rule and scores ~78% (half the questions need none).
 - Decoding: one token per step (`fixed`, steps = block size) and `threshold` at several values. Tokens per
   forward counts every committed position; reply tokens per forward only the answer and its end-of-turn
   token (the positions after it, which complete the last block, are committed too but are not text).
@@ -148,7 +150,7 @@ def task_accuracy(engine: Engine, n: int, decoding: dict, max_new_tokens: int = 
     """Accuracy per task on n held-out instances each (`tasks.is_correct`; `exact`: the whole reply), and
     tokens per forward overall."""
     acc, exact, committed, reply, forwards, eos, t0 = {}, {}, 0, 0, 0, 0, time.perf_counter()
-    failures = {}
+    failures, by_steps = {}, {}
     for task in tasks.TASKS:
         right = same = 0
         for ex in tasks.eval_set(task, n):
@@ -157,6 +159,10 @@ def task_accuracy(engine: Engine, n: int, decoding: dict, max_new_tokens: int = 
             ok = tasks.is_correct(ex, out.text)
             right += ok
             same += out.text.strip() == ex.answer
+            if task == "rules":  # [right, instances] by the rules the question sits behind
+                counts = by_steps.setdefault(str(tasks.rule_steps(ex)), [0, 0])
+                counts[0] += ok
+                counts[1] += 1
             if not ok and task not in failures:
                 failures[task] = {"prompt": ex.prompt, "answer": ex.answer, "got": out.text}
             eos += out.finish_reason == "eos"
@@ -169,7 +175,16 @@ def task_accuracy(engine: Engine, n: int, decoding: dict, max_new_tokens: int = 
             # Without the positions after the end of turn that complete its block (committed, but not text).
             "reply_tokens_per_forward": reply / max(forwards, 1),
             "eos_rate": eos / (n * len(tasks.TASKS)), "seconds": time.perf_counter() - t0,
-            "first_failure": failures}
+            "first_failure": failures, "rules_by_steps": dict(sorted(by_steps.items())),
+            "rules_fact_lookup": sum(map(_fact_lookup_right, tasks.eval_set("rules", n))) / n}
+
+
+def _fact_lookup_right(ex: tasks.Example) -> bool:
+    """Whether the shortcut "yes exactly when the asked atom is one of the facts" answers `ex` right: the
+    baseline to beat besides guessing (it needs no rule)."""
+    facts, _, rest = ex.prompt.removeprefix("facts: ").partition(" rules: ")
+    name, prop = rest.split(" question: is ")[1].rstrip("?").split()
+    return (f" {name} is {prop}." in " " + facts) == (ex.answer.split()[-1] == "yes")
 
 
 def heldout_data(engine: Engine, n_windows: int) -> dict:
@@ -219,6 +234,11 @@ def table(results: dict[str, dict]) -> str:
             accs = " | ".join(f"{100 * d['accuracy'][t]:.1f}" for t in tasks.TASKS)
             lines.append(f"| {label} | {d['tokens_per_forward']:.2f} | {d['reply_tokens_per_forward']:.2f} | {accs} | "
                          f"{100 * d['mean_accuracy']:.1f} |")
+        lines.append("")
+        for label, d in r["decoding"].items():  # rules beside its no-rule shortcut, for each decoding
+            split = ", ".join(f"{k}: {right}/{n}" for k, (right, n) in d["rules_by_steps"].items())
+            lines.append(f"rules, {label}, by rules behind the question: {split}; "
+                         f"shortcut \"yes iff the asked atom is a fact\": {100 * d['rules_fact_lookup']:.0f}%")
         lines.append("")
     return "\n".join(lines)
 

@@ -122,6 +122,22 @@ def generate(task: str, rng: random.Random) -> Example:
     return Example(task, *GENERATORS[task](rng))
 
 
+def rule_steps(ex: Example) -> int:
+    """How many rules a `rules` question sits behind: from the asked atom, follow the rule that concludes
+    it back to its premise until no rule does (0: a fact, or an atom nothing concludes). A question's
+    difficulty, read from the prompt, so the same split serves any answer format."""
+    rules_part, question = ex.prompt.split(" rules: ")[1].split(" question: is ")
+    premise = {}
+    for rule in rules_part.split(". "):
+        a, b = rule.removeprefix("if ").rstrip(".").split(" then ")
+        premise[b] = a
+    name, prop = question.rstrip("?").split()
+    atom, steps = f"{name} is {prop}", 0
+    while atom in premise:
+        atom, steps = premise[atom], steps + 1
+    return steps
+
+
 def is_correct(ex: Example, reply: str) -> bool:
     """Exact match of the answer; for `rules` the final yes/no (the derivation before it is not scored)."""
     if ex.task == "rules":

@@ -249,14 +249,19 @@ def _rules_lines(base: dict) -> dict:
     """The rules task goes under 'can do' when clearly above the 50% of guessing (2 sd at n = 100)."""
     acc, miss = 100 * base["accuracy"]["rules"], _miss(base["first_failure"].get("rules"))
     exact = 100 * base.get("exact", {}).get("rules", float("nan"))
+    # Right / asked by how many rules the question sits behind, beside the shortcut that needs no rule.
+    split = ", ".join(f"{right}/{n} behind {k}" for k, (right, n) in base.get("rules_by_steps", {}).items())
+    detail = (f"right by rules behind the question: {split}; \"yes exactly when the asked atom is a fact\" "
+              f"gets {100 * base.get('rules_fact_lookup', float('nan')):.0f}%")
     if acc >= 60:
         can = (f"- **rules**: {acc:.0f}% on held-out yes/no questions about a rule set (half yes, half no: "
                f"guessing gets 50%), answered after writing out what follows from the facts ({exact:.0f}% of "
-               f"the derivations exact; first miss: `{miss}`).\n")
+               f"the derivations exact; {detail}; first miss: `{miss}`).\n")
         return {"rules_can": can, "rules_cannot": ""}
     cannot = (f"- **rules**: {acc:.0f}% on yes/no questions that are half yes, half no, i.e. near chance: it copies "
               f"the facts and writes a derivation ({exact:.0f}% of them exact), but its final yes/no does not follow "
-              f"from what it wrote, and threshold decoding can push it below chance (first miss: `{miss}`).\n")
+              f"from what it wrote ({detail}), and threshold decoding can push it below chance (first miss: "
+              f"`{miss}`).\n")
     return {"rules_can": "", "rules_cannot": cannot}
 
 

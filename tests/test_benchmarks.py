@@ -94,4 +94,24 @@ def test_quality_benchmark_with_a_quantized_variant(tmp_path, capsys):
         assert r["decoding"]["threshold 0.9"]["tokens_per_forward"] >= 1.0
         assert all(0 < d["reply_tokens_per_forward"] <= d["tokens_per_forward"] for d in r["decoding"].values())
         assert abs(r["nll"]["text@1"]["model"] - math.log(vocab)) < 0.5
-    assert "| decoding | tokens/forward |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| decoding | tokens/forward |" in printed and "rules, 1 per step, by rules behind the question: " in printed
+    one = r16["decoding"]["1 per step"]
+    assert sum(n for _, n in one["rules_by_steps"].values()) == 1  # --n-task 1
+    assert sum(right for right, _ in one["rules_by_steps"].values()) == one["accuracy"]["rules"] * 1
+
+
+def test_quality_fact_lookup_shortcut_by_hand():
+    """The baseline "yes exactly when the asked atom is a fact", on hand-written instances."""
+    from clover_lite.tasks import Example
+
+    right = runpy.run_path(str(BENCH / "quality.py"), run_name="bench")["_fact_lookup_right"]
+    rules = " rules: if Ann is red then Bob is big. if Cal is old then Dan is shy."
+    fact = Example("rules", "facts: Eve is tall. Ann is red." + rules + " question: is Ann red?",
+                   "Eve is tall. Ann is red. so Bob is big. yes")
+    derived = Example("rules", "facts: Ann is red." + rules + " question: is Bob big?",
+                      "Ann is red. so Bob is big. yes")
+    unsupported = Example("rules", "facts: Ann is red." + rules + " question: is Dan shy?",
+                          "Ann is red. so Bob is big. no")
+    near = Example("rules", "facts: Ann is red." + rules + " question: is Ann old?", "Ann is red. so Bob is big. no")
+    assert right(fact) and not right(derived) and right(unsupported) and right(near)

@@ -2,6 +2,7 @@
 the loss goes down, runs are deterministic and a resumed run equals an uninterrupted one."""
 
 import random
+import re
 
 import pytest
 import torch
@@ -257,6 +258,26 @@ def test_tasks_are_checkable_and_held_out():
     assert 0.4 < answers.count("yes") / 400 < 0.6
     assert {ex.answer.count(" so ") for ex in tasks.eval_set("rules", 400)} == {1, 2}  # atoms derived
     assert tasks.eval_set("sort", 5) == tasks.eval_set("sort", 5)
+
+
+def test_rule_steps_by_hand_and_on_the_heldout_set():
+    """How many rules a question sits behind: hand-worked cases, then every held-out instance against a
+    regex parse of its prompt followed recursively."""
+    rules = " rules: if Ann is red then Bob is big. if Bob is big then Cal is old. if Dan is shy then Eve is tall."
+    for question, steps in [("Ann red", 0), ("Bob big", 1), ("Cal old", 2), ("Eve tall", 1), ("Fay fast", 0)]:
+        ex = tasks.Example("rules", "facts: Ann is red." + rules + f" question: is {question}?", "no")
+        assert tasks.rule_steps(ex) == steps, question
+
+    def depth(rule_pairs: dict, atom: str) -> int:
+        return 1 + depth(rule_pairs, rule_pairs[atom]) if atom in rule_pairs else 0
+
+    seen = set()
+    for ex in tasks.heldout("rules"):
+        pairs = {b: a for a, b in re.findall(r"if (\w+ is \w+) then (\w+ is \w+)\.", ex.prompt)}
+        name, prop = re.search(r"question: is (\w+) (\w+)\?", ex.prompt).groups()
+        assert tasks.rule_steps(ex) == depth(pairs, f"{name} is {prop}")
+        seen.add(tasks.rule_steps(ex))
+    assert seen == {0, 1, 2}
 
 
 def test_rules_are_scored_on_the_final_answer_and_others_exactly():
