@@ -122,17 +122,26 @@ def generate(task: str, rng: random.Random) -> Example:
     return Example(task, *GENERATORS[task](rng))
 
 
-def rule_steps(ex: Example) -> int:
-    """How many rules a `rules` question sits behind: from the asked atom, follow the rule that concludes
-    it back to its premise until no rule does (0: a fact, or an atom nothing concludes). A question's
-    difficulty, read from the prompt, so the same split serves any answer format."""
-    rules_part, question = ex.prompt.split(" rules: ")[1].split(" question: is ")
+def parse_rules(prompt: str) -> tuple[list[str], dict[str, str], str]:
+    """A `rules` prompt read back: its facts, each concluded atom -> its rule's premise, and the asked atom
+    (atoms as "Ann is red")."""
+    facts_part, rest = prompt.removeprefix("facts: ").split(" rules: ")
+    rules_part, question = rest.split(" question: is ")
+    facts = [f.strip() for f in facts_part.split(".") if f.strip()]
     premise = {}
     for rule in rules_part.split(". "):
         a, b = rule.removeprefix("if ").rstrip(".").split(" then ")
         premise[b] = a
     name, prop = question.rstrip("?").split()
-    atom, steps = f"{name} is {prop}", 0
+    return facts, premise, f"{name} is {prop}"
+
+
+def rule_steps(ex: Example) -> int:
+    """How many rules a `rules` question sits behind: from the asked atom, follow the rule that concludes
+    it back to its premise until no rule does (0: a fact, or an atom nothing concludes). A question's
+    difficulty, read from the prompt, so the same split serves any answer format."""
+    _, premise, atom = parse_rules(ex.prompt)
+    steps = 0
     while atom in premise:
         atom, steps = premise[atom], steps + 1
     return steps

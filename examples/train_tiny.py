@@ -209,7 +209,7 @@ def card(args) -> None:
         "examples": _examples(Path(args.model)),
         "base_acc": f"{100 * base['mean_accuracy']:.1f}",
         "phases": _phases(work, run, prior), "phase3_steps": logs[-1]["step"],
-        **_rules_lines(base),
+        **_rules_lines(base, q.get("rules_fact_lookup", float("nan"))),
         "quant_group": results[1][0].rsplit(" g", 1)[-1] if len(results) > 1 else "-",
         "quant_table": _quant_table(results),
         "best": best or "none", "best_tpf": f"{d[best]['tokens_per_forward']:.2f}" if best else "-",
@@ -245,14 +245,14 @@ def _phases(work: Path, run: dict, prior: dict) -> str:
     return "\n".join(lines)
 
 
-def _rules_lines(base: dict) -> dict:
+def _rules_lines(base: dict, shortcut: float) -> dict:
     """The rules task goes under 'can do' when clearly above the 50% of guessing (2 sd at n = 100)."""
     acc, miss = 100 * base["accuracy"]["rules"], _miss(base["first_failure"].get("rules"))
     exact = 100 * base.get("exact", {}).get("rules", float("nan"))
     # Right / asked by how many rules the question sits behind, beside the shortcut that needs no rule.
     split = ", ".join(f"{right}/{n} behind {k}" for k, (right, n) in base.get("rules_by_steps", {}).items())
     detail = (f"right by rules behind the question: {split}; \"yes exactly when the asked atom is a fact\" "
-              f"gets {100 * base.get('rules_fact_lookup', float('nan')):.0f}%")
+              f"gets {100 * shortcut:.0f}%")
     if acc >= 60:
         can = (f"- **rules**: {acc:.0f}% on held-out yes/no questions about a rule set (half yes, half no: "
                f"guessing gets 50%), answered after writing out what follows from the facts ({exact:.0f}% of "

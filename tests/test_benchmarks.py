@@ -98,7 +98,7 @@ def test_quality_benchmark_with_a_quantized_variant(tmp_path, capsys):
     assert "| decoding | tokens/forward |" in printed and "rules, 1 per step, by rules behind the question: " in printed
     one = r16["decoding"]["1 per step"]
     assert sum(n for _, n in one["rules_by_steps"].values()) == 1  # --n-task 1
-    assert sum(right for right, _ in one["rules_by_steps"].values()) == one["accuracy"]["rules"] * 1
+    assert sum(right for right, _ in one["rules_by_steps"].values()) == one["accuracy"]["rules"]  # 0 or 1 right
 
 
 def test_quality_fact_lookup_shortcut_by_hand():
