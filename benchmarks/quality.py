@@ -18,7 +18,7 @@ benchmarks/out/quality.png (accuracy against tokens per forward).
 - Tasks: greedy generation with the Engine on held-out instances, exact match of the answer (`rules`: its
   final yes/no, `tasks.is_correct`; `exact` also counts the derivation written before it). Rules accuracy
   is also split by how many rules the question sits behind (`tasks.rule_steps`), beside the shortcut "yes
-  exactly when the asked atom is a fact", which needs no rule and scores ~78% (half the questions need none).
+  exactly when the asked atom is a fact", which needs no rule and scores ~75% (half the questions need none).
 - Decoding: one token per step (`fixed`, steps = block size) and `threshold` at several values. Tokens per
   forward counts every committed position; reply tokens per forward only the answer and its end-of-turn
   token (the positions after it, which complete the last block, are committed too but are not text).

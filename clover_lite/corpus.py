@@ -130,9 +130,9 @@ class MixedBatches:
         self.task_windows, self.seed = task_windows, seed
         self.block_size, self.extend_from = block_size, extend_from
         self.eot = tok.token_to_id(EOT)
-        unknown = set(task_weights or {}) - set(tasks.TASKS)
-        if unknown:
-            raise ValueError(f"unknown task(s) {sorted(unknown)} in task weights; tasks are {tasks.TASKS}")
+        known = tasks.TASKS + tasks.TRAIN_ONLY
+        if unknown := set(task_weights or {}) - set(known):
+            raise ValueError(f"unknown task(s) {sorted(unknown)} in task weights; tasks are {known}")
         # A task repeated w times in the tuple is drawn w times as often by sample_train's rng.choice.
         self.weighted = tuple(t for t, w in (task_weights or {}).items() for _ in range(w)) or tasks.TASKS
         self.reweight_from = reweight_from

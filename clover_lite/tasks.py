@@ -4,8 +4,8 @@ The bundled model is trained on them and `benchmarks/quality.py` measures it on 
 - sort:    "sort: 5 3 9 1"                      -> "1 3 5 9"   (2-8 numbers, 0-9 or 0-99)
 - add:     "add: 23 + 58"                       -> "81"        (two numbers of 1-2 digits)
 - reverse: "reverse: c a b l e"                 -> "e l b a c" (3-7 random letters, spelled out)
-- rules:   "facts: ... rules: if A then B ... question: is X P?" -> "A. so B. yes" (forward chaining shown,
-           then yes / no)
+- rules:   "facts: A. rules: B if A. ... question: is X P?" -> "B if A. A is given. yes" (backward chaining
+           from the question shown, then yes / no)
 
 Reverse spells words letter by letter because a tiny BPE model cannot see the letters inside a token.
 A fixed held-out set per task (its own seed) is never produced by the training sampler.
@@ -69,51 +69,64 @@ PROPS = ("red", "big", "cold", "kind", "fast", "old", "shy", "tall")
 
 def _rules(rng: random.Random) -> tuple[str, str]:
     """One or two facts, a chain of rules from a fact, a distractor rule whose premise is false; the
-    question asks about an atom that follows (yes) or one that does not (no), half and half. Every atom is
-    about a different person.
+    question asks about an atom that follows (yes) or one that does not (no), half and half. Six atoms, no
+    two sharing a person or a property, so either word names its atom.
 
-    The answer shows its work, then answers: the facts, each derived atom with "so" in the order forward
-    chaining finds it, then yes or no ("Ann is red. so Bob is big. yes"). A bare yes/no gives one token
-    of signal per example and a tiny model never learnt it (it answered "no" to everything); written out,
-    each step is one lookup of a rule whose premise is already stated, and the answer a lookup in the
-    model's own list. Only the last word is scored (`is_correct`)."""
-    # Six people, one property each: a name stands for its atom, so reading an atom is one token's lookup
-    # (with names shared between atoms the model copied "Bob is" from one atom and the property from another).
-    atoms = [(n, rng.choice(PROPS)) for n in rng.sample(NAMES, 6)]
+    Rules are written conclusion first ("Bob is big if Cal is kind.") and the answer works backwards from
+    the asked atom: each atom is followed by what follows it where a rule concludes it (" if" and the
+    premise, which becomes the next atom), or by "is given." when it is a fact, or "is unknown." when
+    neither; then yes or no ("Bob is big if Cal is kind. Cal is kind if Ann is red. Ann is red is given.
+    yes"). So every step is a copy of what followed the same words in the prompt, and the yes/no follows
+    the word before it. Two formats before this one, forward derivations and backward chains over "if A
+    then B" rules, stayed at chance; this one, with the `recall` drill, took the bundled model to 73%
+    (the copy of the right premise is still its weak step, benchmarks/RESULTS.md). Only the last word is
+    scored (`is_correct`)."""
+    props = rng.sample(PROPS, 6)  # drawn before the names (the order fixes the held-out set)
+    atoms = list(zip(rng.sample(NAMES, 6), props, strict=True))
     chain = atoms[: rng.randint(2, 3)]  # fact -> ... -> conclusion
     off = atoms[3:5]  # a rule whose premise is never true
     facts = [chain[0]] + ([atoms[5]] if rng.random() < 0.5 else [])
     rules = [(chain[i], chain[i + 1]) for i in range(len(chain) - 1)] + [tuple(off)]
     rng.shuffle(rules)
     rng.shuffle(facts)
-    known = list(facts)
-    changed = True
-    while changed:  # forward chaining to the fixed point, in the order atoms are found
-        changed = False
-        for a, b in rules:
-            if a in known and b not in known:
-                known.append(b)
-                changed = True
     if rng.random() < 0.5:
-        q, ans = rng.choice(sorted(known)), "yes"
+        q = rng.choice(sorted(set(facts + chain)))
     else:
-        q, ans = rng.choice(off), "no"
+        q = rng.choice(off)
 
     def say(atom):
         return f"{atom[0]} is {atom[1]}"
 
     text = (
         "facts: " + " ".join(say(f) + "." for f in facts)
-        + " rules: " + " ".join(f"if {say(a)} then {say(b)}." for a, b in rules)
+        + " rules: " + " ".join(f"{say(b)} if {say(a)}." for a, b in rules)
         + f" question: is {q[0]} {q[1]}?"
     )
-    work = [say(f) + "." for f in facts] + [f"so {say(b)}." for b in known[len(facts):]]
-    return text, " ".join(work + [ans])
+    premise = {b: a for a, b in rules}
+    work, atom = [], q
+    while atom in premise:  # every chain ends at a fact or at the distractor's premise
+        work.append(f"{say(atom)} if {say(premise[atom])}.")
+        atom = premise[atom]
+    given = atom in facts
+    work.append(f"{say(atom)} is {'given' if given else 'unknown'}. {'yes' if given else 'no'}")
+    return text, " ".join(work)
+
+
+def _recall(rng: random.Random) -> tuple[str, str]:
+    """Training only: the content lookup every `rules` step needs, alone and with one word of answer
+    ("recall: Ann is red. Bob is big. what is Bob?" -> "it is big"; "who is big?" -> "it is Bob"; the
+    answer starts with "it is" so that the copied word is the same token as in the prompt)."""
+    # zip stops at the 3-6 names (the draw order fixes the bundled model's training data)
+    atoms = list(zip(rng.sample(NAMES, rng.randint(3, 6)), rng.sample(PROPS, 6), strict=False))
+    name, prop = rng.choice(atoms)
+    ask, ans = (f"what is {name}?", prop) if rng.random() < 0.5 else (f"who is {prop}?", name)
+    return "recall: " + " ".join(f"{n} is {p}." for n, p in atoms) + " " + ask, f"it is {ans}"
 
 
 GENERATORS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
-    "sort": _sort, "add": _add, "reverse": _reverse, "rules": _rules,
+    "sort": _sort, "add": _add, "reverse": _reverse, "rules": _rules, "recall": _recall,
 }
+TRAIN_ONLY = ("recall",)  # drawn in training when weighted in, never evaluated
 
 
 def generate(task: str, rng: random.Random) -> Example:
@@ -130,7 +143,7 @@ def parse_rules(prompt: str) -> tuple[list[str], dict[str, str], str]:
     facts = [f.strip() for f in facts_part.split(".") if f.strip()]
     premise = {}
     for rule in rules_part.split(". "):
-        a, b = rule.removeprefix("if ").rstrip(".").split(" then ")
+        b, a = rule.rstrip(".").split(" if ")
         premise[b] = a
     name, prop = question.rstrip("?").split()
     return facts, premise, f"{name} is {prop}"

@@ -212,6 +212,7 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every_s: float = 180.0  # also at the end; 0 disables the time-based ones
     log_every: int = 10
+    stop_at: int | None = None  # end after this step of the `steps`-step schedule (a phase cut short)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -268,12 +269,13 @@ def train(
         start = int(state["step"])
     history: list[dict] = []
     bar = _progress(progress)
-    task = bar.add_task("train", total=cfg.steps, completed=start, loss=float("nan")) if bar else None
+    end = cfg.steps if cfg.stop_at is None else min(cfg.stop_at, cfg.steps)
+    task = bar.add_task("train", total=end, completed=start, loss=float("nan")) if bar else None
     last_save = time.monotonic()
     t_log, tok_log = time.monotonic(), 0
     model.train()
     try:
-        for step in range(start, cfg.steps):
+        for step in range(start, end):
             batch = batch_fn(step)
             clean, maskable = batch if isinstance(batch, tuple) else (batch, None)
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
@@ -288,7 +290,7 @@ def train(
             done = step + 1
             if bar:
                 bar.update(task, completed=done, loss=out.ce.item())
-            if done % cfg.log_every == 0 or done == cfg.steps:
+            if done % cfg.log_every == 0 or done == end:
                 now = time.monotonic()
                 load = out.expert_load
                 rec = {
@@ -303,7 +305,7 @@ def train(
                 if log:
                     log(rec)
             timed = cfg.checkpoint_every_s > 0 and time.monotonic() - last_save >= cfg.checkpoint_every_s
-            if ckpt is not None and (timed or done == cfg.steps):
+            if ckpt is not None and (timed or done == end):
                 save_state(ckpt, model, opt, done, {"train_config": asdict(cfg)})
                 last_save = time.monotonic()
     finally:

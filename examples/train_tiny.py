@@ -8,22 +8,37 @@ Phases 1-2, from scratch:
         --task-weights rules=4,add=2 --reweight-from 1200         # phase 2: resumes at 1200
     python examples/train_tiny.py export --workdir runs/tiny --out /tmp/clover-tiny-2000
 
-Phase 3, a fine-tune of that export (fresh optimizer, its own step count and cosine) after `rules` replies
-became derivations (clover_lite/tasks.py); prior.json describes phases 1-2 for the card:
+Phases 3-5, a fine-tune of that export (fresh optimizer, its own step count and cosine) after `rules` replies
+became forward derivations (the tasks.py and the phases-1-2 prior.json of commit cbd3b24):
 
     python examples/train_tiny.py prepare --workdir runs/ft --tokenizer-from /tmp/clover-tiny-2000
-    cp examples/clover_tiny_prior.json runs/ft/prior.json
     python examples/train_tiny.py train --workdir runs/ft --init-from /tmp/clover-tiny-2000 --seed 3 \
         --steps 900 --lr 0.002 --warmup 30 --threads 2 --task-weights rules=4
     # phases 4 and 5: the same command with --steps 1400, then --steps 2100 (each resumes state.pt)
+    python examples/train_tiny.py export --workdir runs/ft --out /tmp/clover-tiny-4100
+
+Phases 6-7, after `rules` became conclusion-first rules answered by backward chaining (clover_lite/tasks.py).
+Phase 6 fine-tunes the step-4100 export; it was stopped by hand at its step-1218 checkpoint when probes showed
+rules flat at chance (42% at steps 796 and 1218). Phase 7 fine-tunes that with the training-only `recall`
+task (the content lookup alone) weighted in, and rules rose to 76% within 620 steps. prior.json describes
+phases 1-6 for the card:
+
+    python examples/train_tiny.py prepare --workdir runs/ft6 --tokenizer-from /tmp/clover-tiny-4100
+    python examples/train_tiny.py train --workdir runs/ft6 --init-from /tmp/clover-tiny-4100 --seed 7 \
+        --steps 1800 --stop-at 1218 --lr 0.002 --warmup 30 --threads 2 --task-weights rules=6
+    python examples/train_tiny.py export --workdir runs/ft6 --out /tmp/clover-tiny-5318
+    python examples/train_tiny.py prepare --workdir runs/ft7 --tokenizer-from /tmp/clover-tiny-5318
+    cp examples/clover_tiny_prior.json runs/ft7/prior.json
+    python examples/train_tiny.py train --workdir runs/ft7 --init-from /tmp/clover-tiny-5318 --seed 8 \
+        --steps 900 --lr 0.002 --warmup 30 --threads 2 --task-weights rules=3,recall=6
 
 Evaluation, card and export:
 
-    python examples/train_tiny.py export --workdir runs/ft --out /tmp/clover-tiny
+    python examples/train_tiny.py export --workdir runs/ft7 --out /tmp/clover-tiny
     python benchmarks/quality.py --models /tmp/clover-tiny --quant rtn gptq nf4 --out /tmp/quality.json
-    python examples/train_tiny.py card --workdir runs/ft --model /tmp/clover-tiny --quality /tmp/quality.json \
+    python examples/train_tiny.py card --workdir runs/ft7 --model /tmp/clover-tiny --quality /tmp/quality.json \
         --out /tmp/CARD.md
-    python examples/train_tiny.py export --workdir runs/ft --out clover_lite/data/clover-tiny --card /tmp/CARD.md
+    python examples/train_tiny.py export --workdir runs/ft7 --out clover_lite/data/clover-tiny --card /tmp/CARD.md
 
 Those are the bundled model's commands. Everything is deterministic in --seed (bitwise with the same thread
 count); `train` picks up from WORKDIR/state.pt when it exists, so phase 2 continues phase 1's weights and
@@ -115,7 +130,7 @@ def run_train(args) -> None:
                                   block_size=BLOCK_SIZE, extend_from=args.extend_from,
                                   task_weights=_weights(args.task_weights), reweight_from=args.reweight_from)
     cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup, block_size=BLOCK_SIZE, seed=args.seed,
-                      checkpoint_every_s=args.checkpoint_every, log_every=args.log_every)
+                      checkpoint_every_s=args.checkpoint_every, log_every=args.log_every, stop_at=args.stop_at)
     total, active = model.num_parameters()
     print(f"params {total / 1e6:.2f}M total, {active / 1e6:.2f}M active; {cfg}", flush=True)
     t0 = time.time()
@@ -208,7 +223,7 @@ def card(args) -> None:
         "eos_rate": f"{100 * base.get('eos_rate', float('nan')):.0f}",
         "examples": _examples(Path(args.model)),
         "base_acc": f"{100 * base['mean_accuracy']:.1f}",
-        "phases": _phases(work, run, prior), "phase3_steps": logs[-1]["step"],
+        "phases": _phases(work, run, prior), "finetune_steps": logs[-1]["step"],
         **_rules_lines(base, q.get("rules_fact_lookup", float("nan"))),
         "quant_group": results[1][0].rsplit(" g", 1)[-1] if len(results) > 1 else "-",
         "quant_table": _quant_table(results),
@@ -222,26 +237,28 @@ def card(args) -> None:
 
 def _prior(work: Path) -> dict:
     """What came before a fine-tune (`train --init-from`): workdir/prior.json, written by hand when the
-    starting model's own run directory is gone: {"steps", "minutes", "phases": [train args...]}."""
+    starting model's own run directory is gone: {"steps", "minutes", "phases": [train args...]}; a phase
+    that was itself a fine-tune gives the step it started from as "offset"."""
     path = work / "prior.json"
     return json.loads(path.read_text()) if path.exists() else {"steps": 0, "minutes": 0.0, "phases": []}
 
 
 def _phases(work: Path, run: dict, prior: dict) -> str:
-    """A table of the training phases (one per `train` command that ran to its --steps). A fine-tune counts
-    its own steps from 0; the table places it after the phases it started from."""
+    """A table of the training phases (one per `train` command that ran to its --steps or --stop-at). A
+    fine-tune counts its own steps from 0; the table places it after the phases it started from."""
     path = work / "phases.jsonl"
     here = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [run]
     lines = ["| phase | steps | task weights | learning rate | threads |", "|---|---|---|---|---|"]
     start = 0
-    offsets = [0] * len(prior["phases"]) + [prior["steps"]] * len(here)
+    offsets = [a.get("offset", 0) for a in prior["phases"]] + [prior["steps"]] * len(here)
     for i, (a, offset) in enumerate(zip(prior["phases"] + here, offsets, strict=True), 1):
         cfg = TrainConfig(steps=a["steps"], lr=a["lr"], warmup=a["warmup"])
         weights = a.get("task_weights") or "uniform"
         first = max(start - offset, a["warmup"] - 1)
-        lines.append(f"| {i} | {start}-{offset + a['steps']} | {weights} | {lr_at(first, cfg):.1e} -> "
-                     f"{lr_at(a['steps'] - 1, cfg):.1e} | {a['threads']} |")
-        start = offset + a["steps"]
+        end = min(a.get("stop_at") or a["steps"], a["steps"])
+        lines.append(f"| {i} | {start}-{offset + end} | {weights} | {lr_at(first, cfg):.1e} -> "
+                     f"{lr_at(end - 1, cfg):.1e} | {a['threads']} |")
+        start = offset + end
     return "\n".join(lines)
 
 
@@ -255,9 +272,14 @@ def _rules_lines(base: dict, shortcut: float) -> dict:
               f"gets {100 * shortcut:.0f}%")
     if acc >= 60:
         can = (f"- **rules**: {acc:.0f}% on held-out yes/no questions about a rule set (half yes, half no: "
-               f"guessing gets 50%), answered after writing out what follows from the facts ({exact:.0f}% of "
-               f"the derivations exact; {detail}; first miss: `{miss}`).\n")
-        return {"rules_can": can, "rules_cannot": ""}
+               f"guessing gets 50%), answered after working back from the question through the rules ({exact:.0f}% "
+               f"of the chains exact; {detail}; first miss: `{miss}`).\n")
+        cannot = ""
+        if acc < 100 * shortcut + 5:  # above guessing, but not above what needs no rule
+            cannot = (f"- **rules** behind a rule: no better overall than the shortcut that needs no rule "
+                      f"({100 * shortcut:.0f}%): when it follows a rule it often copies the premise of another "
+                      f"rule, so questions one or two rules deep are near chance.\n")
+        return {"rules_can": can, "rules_cannot": cannot}
     cannot = (f"- **rules**: {acc:.0f}% on yes/no questions that are half yes, half no, i.e. near chance: it copies "
               f"the facts and writes a derivation ({exact:.0f}% of them exact), but its final yes/no does not follow "
               f"from what it wrote ({detail}), and threshold decoding can push it below chance (first miss: "
@@ -298,7 +320,7 @@ def _examples(model_dir: Path) -> str:
 
 
 CARD_PROMPTS = ("sort: 5 3 9 1", "sort: 12 7 45 3 88", "add: 23 + 58", "add: 4 + 5", "reverse: c a b l e",
-                "facts: Ann is red. rules: if Ann is red then Bob is big. question: is Bob big?")
+                "facts: Ann is red. rules: Bob is big if Ann is red. question: is Bob big?")
 RAW_PROMPT = "import os\n\n\ndef read_config(path):\n"
 
 
@@ -344,6 +366,8 @@ def main() -> None:
     t.add_argument("--init-from", default=None,
                    help="a model directory to start from (fresh optimizer and schedule) when the workdir has no "
                         "state.pt: how phase 3 of the bundled model fine-tuned the phase-2 export")
+    t.add_argument("--stop-at", type=int, default=None,
+                   help="end after this step, keeping the --steps schedule (a phase cut short)")
     t.add_argument("--checkpoint-every", type=float, default=180.0, help="seconds")
     t.add_argument("--log-every", type=int, default=10)
     e = sub.choices["export"]

@@ -106,12 +106,12 @@ def test_quality_fact_lookup_shortcut_by_hand():
     from clover_lite.tasks import Example
 
     right = runpy.run_path(str(BENCH / "quality.py"), run_name="bench")["_fact_lookup_right"]
-    rules = " rules: if Ann is red then Bob is big. if Cal is old then Dan is shy."
+    rules = " rules: Bob is big if Ann is red. Dan is shy if Cal is old."
     fact = Example("rules", "facts: Eve is tall. Ann is red." + rules + " question: is Ann red?",
-                   "Eve is tall. Ann is red. so Bob is big. yes")
+                   "Ann is red is given. yes")
     derived = Example("rules", "facts: Ann is red." + rules + " question: is Bob big?",
-                      "Ann is red. so Bob is big. yes")
+                      "Bob is big if Ann is red. Ann is red is given. yes")
     unsupported = Example("rules", "facts: Ann is red." + rules + " question: is Dan shy?",
-                          "Ann is red. so Bob is big. no")
-    near = Example("rules", "facts: Ann is red." + rules + " question: is Ann old?", "Ann is red. so Bob is big. no")
+                          "Dan is shy if Cal is old. Cal is old is unknown. no")
+    near = Example("rules", "facts: Ann is red." + rules + " question: is Ann old?", "Ann is old is unknown. no")
     assert right(fact) and not right(derived) and right(unsupported) and right(near)

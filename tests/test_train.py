@@ -1,6 +1,7 @@
 """Block-diffusion training: the two-stream forward equals the runtime's reference forward block by block,
 the loss goes down, runs are deterministic and a resumed run equals an uninterrupted one."""
 
+import dataclasses
 import random
 import re
 
@@ -157,6 +158,14 @@ def test_deterministic_and_resume_equals_uninterrupted(tmp_path):
     assert torch.equal(weights(a), weights(d))
     assert [r["step"] for r in hist_d] == [4, 5, 6] and hist_d[-1]["ce"] == hist_a[-1]["ce"]
 
+    # A phase cut short (stop_at) keeps the schedule of its `steps`: stopping at 4 and resuming is the same run.
+    ckpt2, e = tmp_path / "stopped.pt", fresh()
+    hist_e = train(e, counting_batches, dataclasses.replace(cfg, stop_at=4), MASK, checkpoint=ckpt2)
+    assert [r["step"] for r in hist_e] == [1, 2, 3, 4] and torch.load(ckpt2, weights_only=True)["step"] == 4
+    assert hist_e[-1]["lr"] == hist_a[3]["lr"]
+    train(e, counting_batches, cfg, MASK, checkpoint=ckpt2)
+    assert torch.equal(weights(a), weights(e))
+
 
 def test_batches_with_maskable_positions():
     """A batch function may return (ids, maskable); only maskable positions are trained."""
@@ -212,6 +221,11 @@ def test_task_weights_change_the_mix_from_their_step():
     after = [counts(heavy, s) for s in range(5, 9)]
     share = [sum(c["rules"] for c in cs) / sum(sum(c.values()) for c in cs) for cs in (before, after)]
     assert share[0] < 0.35 and share[1] > 0.55, share  # chats are drawn 1/4 vs 6/9 rules
+    drill = corpus.MixedBatches(tok, text, batch=8, length=256, task_windows=8, seed=0, block_size=4,
+                                task_weights={"rules": 1, "recall": 3})  # a training-only task is drawn too
+    drawn = tok.decode(drill(0)[0].flatten().tolist(), skip_special_tokens=False)
+    assert drawn.count("user\nrecall:") > drawn.count("user\nfacts:") > 0
+    assert "recall:" not in tok.decode(plain(0)[0].flatten().tolist(), skip_special_tokens=False)
     with pytest.raises(ValueError, match="unknown task"):
         corpus.MixedBatches(tok, text, 2, 64, 1, 0, task_weights={"poetry": 2})
 
@@ -223,19 +237,22 @@ def test_lr_schedule():
 
 
 # ---- tasks -----------------------------------------------------------------------------------------
-def _forward_chain(prompt: str) -> str:
-    """Parse a rules prompt and answer it from the text alone (independent of tasks._rules): the facts, then
-    each atom a rule adds, pass after pass over the rules in their order, then yes or no."""
-    facts_part, rest = prompt.removeprefix("facts: ").split(" rules: ")
-    rules_part, question = rest.split(" question: is ")
-    facts = [f.strip() for f in facts_part.split(".") if f.strip()]
-    rules = [r.strip().removeprefix("if ").split(" then ") for r in rules_part.split(".") if r.strip()]
-    known = list(facts)
+def _rules_reply(prompt: str) -> str:
+    """Parse a rules prompt and answer it from the text alone (independent of tasks._rules): the yes/no from
+    forward chaining the facts to the fixed point, the reply by following rules back from the question."""
+    facts = re.findall(r"(\w+ is \w+)\.", prompt.split(" rules: ")[0])
+    rules = re.findall(r"(\w+ is \w+) if (\w+ is \w+)\.", prompt)
+    name, prop = re.search(r"question: is (\w+) (\w+)\?$", prompt).groups()
+    known = set(facts)
     for _ in rules:  # len(rules) passes reach the fixed point
-        known += [b for a, b in rules if a in known and b not in known]
-    name, prop = question.rstrip("?").split(" ")
-    steps = [f + "." for f in facts] + [f"so {b}." for b in known[len(facts):]]
-    return " ".join(steps + ["yes" if f"{name} is {prop}" in known else "no"])
+        known |= {b for b, a in rules if a in known}
+    atom, steps = f"{name} is {prop}", []
+    while atom in dict(rules):
+        steps.append(f"{atom} if {dict(rules)[atom]}.")
+        atom = dict(rules)[atom]
+    yes = f"{name} is {prop}" in known
+    assert yes == (atom in facts)  # the backward chain reaches a fact exactly when forward chaining agrees
+    return " ".join(steps + [f"{atom} is {'given' if yes else 'unknown'}.", "yes" if yes else "no"])
 
 
 def test_tasks_are_checkable_and_held_out():
@@ -253,17 +270,33 @@ def test_tasks_are_checkable_and_held_out():
         elif ex.task == "reverse":
             assert ex.answer == ex.prompt[9:][::-1]
         else:
-            assert ex.answer == _forward_chain(ex.prompt)
+            assert ex.answer == _rules_reply(ex.prompt)
+            atoms = re.findall(r"(\w+) is (\w+)", ex.prompt)
+            for i in (0, 1):  # no two atoms share a person or a property: either word names its atom
+                assert len({a[i] for a in atoms}) == len(set(atoms))
     answers = [ex.answer.split()[-1] for ex in tasks.eval_set("rules", 400)]
     assert 0.4 < answers.count("yes") / 400 < 0.6
-    assert {ex.answer.count(" so ") for ex in tasks.eval_set("rules", 400)} == {1, 2}  # atoms derived
+    assert {ex.answer.count(" if ") for ex in tasks.eval_set("rules", 400)} == {0, 1, 2}  # rules followed
     assert tasks.eval_set("sort", 5) == tasks.eval_set("sort", 5)
+    assert all(ex.task in tasks.TASKS for ex in (tasks.sample_train(rng) for _ in range(200)))  # no drill
+
+
+def test_recall_drill_answers_from_its_prompt():
+    """The training-only lookup drill: the answer is the other word of the one atom the question names."""
+    rng = random.Random(1)
+    for _ in range(500):
+        ex = tasks.sample_train(rng, ("recall",))
+        atoms = re.findall(r"(\w+) is (\w+)\.", ex.prompt)
+        assert 3 <= len(atoms) <= 6 and len({n for n, _ in atoms}) == len({p for _, p in atoms}) == len(atoms)
+        kind, word = re.search(r" (what|who) is (\w+)\?$", ex.prompt).groups()
+        want = dict(atoms)[word] if kind == "what" else {p: n for n, p in atoms}[word]
+        assert ex.answer == f"it is {want}"
 
 
 def test_rule_steps_by_hand_and_on_the_heldout_set():
     """How many rules a question sits behind: hand-worked cases, then every held-out instance against a
     regex parse of its prompt followed recursively."""
-    rules = " rules: if Ann is red then Bob is big. if Bob is big then Cal is old. if Dan is shy then Eve is tall."
+    rules = " rules: Bob is big if Ann is red. Cal is old if Bob is big. Eve is tall if Dan is shy."
     for question, steps in [("Ann red", 0), ("Bob big", 1), ("Cal old", 2), ("Eve tall", 1), ("Fay fast", 0)]:
         ex = tasks.Example("rules", "facts: Ann is red." + rules + f" question: is {question}?", "no")
         assert tasks.rule_steps(ex) == steps, question
@@ -273,7 +306,7 @@ def test_rule_steps_by_hand_and_on_the_heldout_set():
 
     seen = set()
     for ex in tasks.heldout("rules"):
-        pairs = {b: a for a, b in re.findall(r"if (\w+ is \w+) then (\w+ is \w+)\.", ex.prompt)}
+        pairs = dict(re.findall(r"(\w+ is \w+) if (\w+ is \w+)\.", ex.prompt))
         name, prop = re.search(r"question: is (\w+) (\w+)\?", ex.prompt).groups()
         assert tasks.rule_steps(ex) == depth(pairs, f"{name} is {prop}")
         seen.add(tasks.rule_steps(ex))
@@ -281,10 +314,11 @@ def test_rule_steps_by_hand_and_on_the_heldout_set():
 
 
 def test_rules_are_scored_on_the_final_answer_and_others_exactly():
-    ex = tasks.Example("rules", "facts: Ann is red. rules: ... question: is Bob big?", "Ann is red. so Bob is big. yes")
-    assert tasks.is_correct(ex, " Ann is red. so Bob is big. yes")
-    assert tasks.is_correct(ex, "Ann is red. yes")  # the derivation is shown, not scored
-    assert not tasks.is_correct(ex, "Ann is red. so Bob is big. no")
+    ex = tasks.Example("rules", "facts: Ann is red. rules: ... question: is Bob big?",
+                       "Bob is big if Ann is red. Ann is red is given. yes")
+    assert tasks.is_correct(ex, " Bob is big if Ann is red. Ann is red is given. yes")
+    assert tasks.is_correct(ex, "Bob is big is given. yes")  # the chain is shown, not scored
+    assert not tasks.is_correct(ex, "Bob is big if Ann is red. Ann is red is given. no")
     assert not tasks.is_correct(ex, "") and not tasks.is_correct(ex, "yes no")
     add = tasks.Example("add", "add: 2 + 3", "5")
     assert tasks.is_correct(add, " 5") and not tasks.is_correct(add, "5 5") and not tasks.is_correct(add, "6")
