@@ -214,6 +214,11 @@ class TrainConfig:
     log_every: int = 10
     stop_at: int | None = None  # end after this step of the `steps`-step schedule (a phase cut short)
 
+    @property
+    def end(self) -> int:
+        """The step training stops at: `steps`, or `stop_at` when a phase is cut short."""
+        return self.steps if self.stop_at is None else min(self.stop_at, self.steps)
+
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up then cosine decay to min_lr_ratio * lr."""
@@ -269,7 +274,7 @@ def train(
         start = int(state["step"])
     history: list[dict] = []
     bar = _progress(progress)
-    end = cfg.steps if cfg.stop_at is None else min(cfg.stop_at, cfg.steps)
+    end = cfg.end
     task = bar.add_task("train", total=end, completed=start, loss=float("nan")) if bar else None
     last_save = time.monotonic()
     t_log, tok_log = time.monotonic(), 0

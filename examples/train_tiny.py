@@ -238,7 +238,7 @@ def card(args) -> None:
 def _prior(work: Path) -> dict:
     """What came before a fine-tune (`train --init-from`): workdir/prior.json, written by hand when the
     starting model's own run directory is gone: {"steps", "minutes", "phases": [train args...]}; a phase
-    that was itself a fine-tune gives the step it started from as "offset"."""
+    that was itself a fine-tune gives the step it started from as "offset", one cut short its "stop_at"."""
     path = work / "prior.json"
     return json.loads(path.read_text()) if path.exists() else {"steps": 0, "minutes": 0.0, "phases": []}
 
@@ -252,13 +252,12 @@ def _phases(work: Path, run: dict, prior: dict) -> str:
     start = 0
     offsets = [a.get("offset", 0) for a in prior["phases"]] + [prior["steps"]] * len(here)
     for i, (a, offset) in enumerate(zip(prior["phases"] + here, offsets, strict=True), 1):
-        cfg = TrainConfig(steps=a["steps"], lr=a["lr"], warmup=a["warmup"])
+        cfg = TrainConfig(steps=a["steps"], lr=a["lr"], warmup=a["warmup"], stop_at=a.get("stop_at"))
         weights = a.get("task_weights") or "uniform"
         first = max(start - offset, a["warmup"] - 1)
-        end = min(a.get("stop_at") or a["steps"], a["steps"])
-        lines.append(f"| {i} | {start}-{offset + end} | {weights} | {lr_at(first, cfg):.1e} -> "
-                     f"{lr_at(end - 1, cfg):.1e} | {a['threads']} |")
-        start = offset + end
+        lines.append(f"| {i} | {start}-{offset + cfg.end} | {weights} | {lr_at(first, cfg):.1e} -> "
+                     f"{lr_at(cfg.end - 1, cfg):.1e} | {a['threads']} |")
+        start = offset + cfg.end
     return "\n".join(lines)
 
 

@@ -246,10 +246,10 @@ def _rules_reply(prompt: str) -> str:
     known = set(facts)
     for _ in rules:  # len(rules) passes reach the fixed point
         known |= {b for b, a in rules if a in known}
-    atom, steps = f"{name} is {prop}", []
-    while atom in dict(rules):
-        steps.append(f"{atom} if {dict(rules)[atom]}.")
-        atom = dict(rules)[atom]
+    premise_of, atom, steps = dict(rules), f"{name} is {prop}", []
+    while atom in premise_of:
+        steps.append(f"{atom} if {premise_of[atom]}.")
+        atom = premise_of[atom]
     yes = f"{name} is {prop}" in known
     assert yes == (atom in facts)  # the backward chain reaches a fact exactly when forward chaining agrees
     return " ".join(steps + [f"{atom} is {'given' if yes else 'unknown'}.", "yes" if yes else "no"])
