@@ -7,6 +7,9 @@ The bundled model is trained on them and `benchmarks/quality.py` measures it on 
 - rules:   "facts: A. rules: B if A. ... question: is X P?" -> "B if A. A is given. yes" (backward chaining
            from the question shown, then yes / no)
 
+Two training-only drills (`TRAIN_ONLY`, drawn only when weighted in, never evaluated) isolate the two lookups a
+rules step needs: `recall` (an atom's other word) and `cite` (the premise of the rule that concludes an atom).
+
 Reverse spells words letter by letter because a tiny BPE model cannot see the letters inside a token.
 A fixed held-out set per task (its own seed) is never produced by the training sampler.
 """
@@ -78,9 +81,9 @@ def _rules(rng: random.Random) -> tuple[str, str]:
     neither; then yes or no ("Bob is big if Cal is kind. Cal is kind if Ann is red. Ann is red is given.
     yes"). So every step is a copy of what followed the same words in the prompt, and the yes/no follows
     the word before it. Two formats before this one, forward derivations and backward chains over "if A
-    then B" rules, stayed at chance; this one, with the `recall` drill, took the bundled model to 73%
-    (the copy of the right premise is still its weak step, benchmarks/RESULTS.md). Only the last word is
-    scored (`is_correct`)."""
+    then B" rules, stayed at chance; this one took the bundled model to 73% with the `recall` drill and to
+    100% once the `cite` drill taught it which rule's premise to copy (benchmarks/RESULTS.md). Only the
+    last word is scored (`is_correct`)."""
     props = rng.sample(PROPS, 6)  # drawn before the names (the order fixes the held-out set)
     atoms = list(zip(rng.sample(NAMES, 6), props, strict=True))
     chain = atoms[: rng.randint(2, 3)]  # fact -> ... -> conclusion
@@ -123,10 +126,34 @@ def _recall(rng: random.Random) -> tuple[str, str]:
     return "recall: " + " ".join(f"{n} is {p}." for n, p in atoms) + " " + ask, f"it is {ans}"
 
 
+def _cite(rng: random.Random) -> tuple[str, str]:
+    """Training only: the premise copy of a `rules` step, several times per instance. Three or four
+    conclusion-first rules over distinct atoms, one or two of them chained (an atom concluded by one rule is
+    the premise of another, so its property appears twice in the prompt, as in `rules`); the question names
+    the conclusions in a random order and the reply says each one's rule ("cite: Hal is old if Bob is tall.
+    Ann is shy if Hal is old. ... ask: Ann Hal" -> "Ann is shy if Hal is old. Hal is old if Bob is tall.")."""
+    n_rules = rng.randint(3, 4)
+    atoms = list(zip(rng.sample(NAMES, 8), rng.sample(PROPS, 8), strict=True))
+    chained = rng.randint(1, 2)  # rules whose premise is the conclusion of another rule
+    rules = [(atoms[0], atoms[1])]
+    free = atoms[2:]
+    for i in range(1, n_rules):
+        premise = rules[-1][1] if i <= chained else free.pop()
+        rules.append((premise, free.pop()))
+    rng.shuffle(rules)
+    asked = rng.sample(rules, len(rules))
+
+    def say(atom):
+        return f"{atom[0]} is {atom[1]}"
+
+    text = "cite: " + " ".join(f"{say(b)} if {say(a)}." for a, b in rules) + " ask: " + " ".join(b[0] for _, b in asked)
+    return text, " ".join(f"{say(b)} if {say(a)}." for a, b in asked)
+
+
 GENERATORS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
-    "sort": _sort, "add": _add, "reverse": _reverse, "rules": _rules, "recall": _recall,
+    "sort": _sort, "add": _add, "reverse": _reverse, "rules": _rules, "recall": _recall, "cite": _cite,
 }
-TRAIN_ONLY = ("recall",)  # drawn in training when weighted in, never evaluated
+TRAIN_ONLY = ("recall", "cite")  # drawn in training when weighted in, never evaluated
 
 
 def generate(task: str, rng: random.Random) -> Example:

@@ -20,25 +20,39 @@ became forward derivations (the tasks.py and the phases-1-2 prior.json of commit
 Phases 6-7, after `rules` became conclusion-first rules answered by backward chaining (clover_lite/tasks.py).
 Phase 6 fine-tunes the step-4100 export; it was stopped by hand at its step-1218 checkpoint when probes showed
 rules flat at chance (42% at steps 796 and 1218). Phase 7 fine-tunes that with the training-only `recall`
-task (the content lookup alone) weighted in, and rules rose to 76% within 620 steps. prior.json describes
-phases 1-6 for the card:
+task (the content lookup alone) weighted in, and rules rose to 76% within 620 steps:
 
     python examples/train_tiny.py prepare --workdir runs/ft6 --tokenizer-from /tmp/clover-tiny-4100
     python examples/train_tiny.py train --workdir runs/ft6 --init-from /tmp/clover-tiny-4100 --seed 7 \
         --steps 1800 --stop-at 1218 --lr 0.002 --warmup 30 --threads 2 --task-weights rules=6
     python examples/train_tiny.py export --workdir runs/ft6 --out /tmp/clover-tiny-5318
     python examples/train_tiny.py prepare --workdir runs/ft7 --tokenizer-from /tmp/clover-tiny-5318
-    cp examples/clover_tiny_prior.json runs/ft7/prior.json
     python examples/train_tiny.py train --workdir runs/ft7 --init-from /tmp/clover-tiny-5318 --seed 8 \
         --steps 900 --lr 0.002 --warmup 30 --threads 2 --task-weights rules=3,recall=6
+    python examples/train_tiny.py export --workdir runs/ft7 --out /tmp/clover-tiny-6218
+
+Phases 8-9: rules sat at the no-rule shortcut (73%) because the premise copied after " if" came from a rule
+picked nearly at random; the training-only `cite` drill (several premise copies per instance) taught that
+copy. Phase 8 is the drill almost alone, stopped at the step-440 checkpoint of its 700-step schedule (rules
+copied right, but "is given" answers had weakened); phase 9 brings rules back to the front. prior.json
+describes phases 1-8 for the card:
+
+    python examples/train_tiny.py prepare --workdir runs/ft8 --tokenizer-from /tmp/clover-tiny-6218
+    python examples/train_tiny.py train --workdir runs/ft8 --init-from /tmp/clover-tiny-6218 --seed 12 \
+        --steps 700 --stop-at 440 --lr 0.002 --warmup 30 --threads 1 --task-weights rules=1,cite=10
+    python examples/train_tiny.py export --workdir runs/ft8 --out /tmp/clover-tiny-6658
+    python examples/train_tiny.py prepare --workdir runs/ft9 --tokenizer-from /tmp/clover-tiny-6658
+    cp examples/clover_tiny_prior.json runs/ft9/prior.json
+    python examples/train_tiny.py train --workdir runs/ft9 --init-from /tmp/clover-tiny-6658 --seed 13 \
+        --steps 600 --lr 0.0015 --warmup 20 --threads 1 --task-weights rules=5,cite=3,recall=2
 
 Evaluation, card and export:
 
-    python examples/train_tiny.py export --workdir runs/ft7 --out /tmp/clover-tiny
+    python examples/train_tiny.py export --workdir runs/ft9 --out /tmp/clover-tiny
     python benchmarks/quality.py --models /tmp/clover-tiny --quant rtn gptq nf4 --out /tmp/quality.json
-    python examples/train_tiny.py card --workdir runs/ft7 --model /tmp/clover-tiny --quality /tmp/quality.json \
+    python examples/train_tiny.py card --workdir runs/ft9 --model /tmp/clover-tiny --quality /tmp/quality.json \
         --out /tmp/CARD.md
-    python examples/train_tiny.py export --workdir runs/ft7 --out clover_lite/data/clover-tiny --card /tmp/CARD.md
+    python examples/train_tiny.py export --workdir runs/ft9 --out clover_lite/data/clover-tiny --card /tmp/CARD.md
 
 Those are the bundled model's commands. Everything is deterministic in --seed (bitwise with the same thread
 count); `train` picks up from WORKDIR/state.pt when it exists, so phase 2 continues phase 1's weights and

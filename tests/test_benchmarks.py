@@ -115,3 +115,20 @@ def test_quality_fact_lookup_shortcut_by_hand():
                           "Dan is shy if Cal is old. Cal is old is unknown. no")
     near = Example("rules", "facts: Ann is red." + rules + " question: is Ann old?", "Ann is old is unknown. no")
     assert right(fact) and not right(derived) and right(unsupported) and right(near)
+
+
+def test_rules_probe_finds_every_premise_copy(tmp_path):
+    """One probe per " if" of the replies (counted here from the answer text), each at the premise's person;
+    the bundled model copies them all; head weights are shares of a softmax row."""
+    from clover_lite import tasks
+
+    probe = runpy.run_path(str(BENCH / "rules_probe.py"), run_name="bench")
+    out = tmp_path / "probe.json"
+    assert probe["main"](["--n", "4", "--heads", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    behind = [ex for ex in tasks.heldout("rules") if " if " in ex.answer][:4]
+    assert data["rules"]["probes"] == sum(ex.answer.count(" if ") for ex in behind)
+    assert data["rules"]["right"] == data["rules"]["probes"] and data["cite"]["probes"] >= 2 * 3
+    heads = data["rules"]["heads"]
+    assert len(heads) == 16 and all(0 <= w["right"] and w["right"] + w["other rules"] <= 1 + 1e-6
+                                    for w in heads.values())

@@ -293,6 +293,25 @@ def test_recall_drill_answers_from_its_prompt():
         assert ex.answer == f"it is {want}"
 
 
+def test_cite_drill_answers_from_its_prompt():
+    """The training-only premise-copy drill: each asked person's rule, in the asked order, read back from the
+    prompt by a regex; chains (an atom concluded by one rule and the premise of another) always occur."""
+    rng = random.Random(2)
+    chains = set()
+    for _ in range(500):
+        ex = tasks.sample_train(rng, ("cite",))
+        rules = re.findall(r"((\w+) is \w+) if (\w+ is \w+)\.", ex.prompt.split(" ask: ")[0])
+        asked = re.search(r" ask: ([\w ]+)$", ex.prompt).group(1).split()
+        rule_of = {name: f"{b} if {a}." for b, name, a in rules}
+        assert ex.answer == " ".join(rule_of[name] for name in asked)
+        assert 3 <= len(rules) <= 4 and sorted(asked) == sorted(rule_of)
+        atoms = set(re.findall(r"(\w+) is (\w+)", ex.prompt))
+        for i in (0, 1):  # no two atoms share a person or a property, as in `rules`
+            assert len({a[i] for a in atoms}) == len(atoms)
+        chains.add(len({b for b, _, _ in rules} & {a for _, _, a in rules}))
+    assert chains == {1, 2}
+
+
 def test_rule_steps_by_hand_and_on_the_heldout_set():
     """How many rules a question sits behind: hand-worked cases, then every held-out instance against a
     regex parse of its prompt followed recursively."""

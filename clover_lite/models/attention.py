@@ -42,6 +42,13 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(b, L, self.n_kv, self.head_dim).transpose(1, 2)
         return AttentionUpdate(k=apply_rotary(k, cos, sin), v=v)
 
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries (normed, rotated) [b, heads, L, head_dim] and the output gate [b, L, heads, head_dim] of x."""
+        b, L, _ = x.shape
+        qg = self.q_proj(x).view(b, L, self.n_heads, 2 * self.head_dim)
+        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
+        return apply_rotary(self.q_norm(q).transpose(1, 2), cos, sin), gate
+
     def forward(
         self,
         x: torch.Tensor,
@@ -57,9 +64,7 @@ class GatedAttention(nn.Module):
         `past_len` (a device tensor, with `num_splits`) marks `past` as the cache's whole buffers of which
         the first past_len positions are committed: the static step of a CUDA graph (Triton backend)."""
         b, L, _ = x.shape
-        qg = self.q_proj(x).view(b, L, self.n_heads, 2 * self.head_dim)
-        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
-        q = apply_rotary(self.q_norm(q).transpose(1, 2), cos, sin)
+        q, gate = self.project_q(x, cos, sin)
         new = self.project_kv(x, cos, sin)
         if self.backend == "triton" and mask is None and L <= ATTENTION_MAX_BLOCK_LEN:
             # A denoising step (or a single-block commit): every key is visible, flash-decoding kernel.
