@@ -70,6 +70,10 @@ NAMES = ("Ann", "Bob", "Cal", "Dan", "Eve", "Fay", "Gus", "Hal")
 PROPS = ("red", "big", "cold", "kind", "fast", "old", "shy", "tall")
 
 
+def _say(atom: tuple[str, str]) -> str:
+    return f"{atom[0]} is {atom[1]}"
+
+
 def _rules(rng: random.Random) -> tuple[str, str]:
     """One or two facts, a chain of rules from a fact, a distractor rule whose premise is false; the
     question asks about an atom that follows (yes) or one that does not (no), half and half. Six atoms, no
@@ -97,21 +101,18 @@ def _rules(rng: random.Random) -> tuple[str, str]:
     else:
         q = rng.choice(off)
 
-    def say(atom):
-        return f"{atom[0]} is {atom[1]}"
-
     text = (
-        "facts: " + " ".join(say(f) + "." for f in facts)
-        + " rules: " + " ".join(f"{say(b)} if {say(a)}." for a, b in rules)
+        "facts: " + " ".join(_say(f) + "." for f in facts)
+        + " rules: " + " ".join(f"{_say(b)} if {_say(a)}." for a, b in rules)
         + f" question: is {q[0]} {q[1]}?"
     )
     premise = {b: a for a, b in rules}
     work, atom = [], q
     while atom in premise:  # every chain ends at a fact or at the distractor's premise
-        work.append(f"{say(atom)} if {say(premise[atom])}.")
+        work.append(f"{_say(atom)} if {_say(premise[atom])}.")
         atom = premise[atom]
     given = atom in facts
-    work.append(f"{say(atom)} is {'given' if given else 'unknown'}. {'yes' if given else 'no'}")
+    work.append(f"{_say(atom)} is {'given' if given else 'unknown'}. {'yes' if given else 'no'}")
     return text, " ".join(work)
 
 
@@ -132,6 +133,7 @@ def _cite(rng: random.Random) -> tuple[str, str]:
     the premise of another, so its property appears twice in the prompt, as in `rules`); the question names
     the conclusions in a random order and the reply says each one's rule ("cite: Hal is old if Bob is tall.
     Ann is shy if Hal is old. ... ask: Ann Hal" -> "Ann is shy if Hal is old. Hal is old if Bob is tall.")."""
+    # (The draw order fixes the bundled model's training data.)
     n_rules = rng.randint(3, 4)
     atoms = list(zip(rng.sample(NAMES, 8), rng.sample(PROPS, 8), strict=True))
     chained = rng.randint(1, 2)  # rules whose premise is the conclusion of another rule
@@ -143,11 +145,11 @@ def _cite(rng: random.Random) -> tuple[str, str]:
     rng.shuffle(rules)
     asked = rng.sample(rules, len(rules))
 
-    def say(atom):
-        return f"{atom[0]} is {atom[1]}"
+    def rule(premise, conclusion):
+        return f"{_say(conclusion)} if {_say(premise)}."
 
-    text = "cite: " + " ".join(f"{say(b)} if {say(a)}." for a, b in rules) + " ask: " + " ".join(b[0] for _, b in asked)
-    return text, " ".join(f"{say(b)} if {say(a)}." for a, b in asked)
+    text = "cite: " + " ".join(rule(*r) for r in rules) + " ask: " + " ".join(b[0] for _, b in asked)
+    return text, " ".join(rule(*r) for r in asked)
 
 
 GENERATORS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
