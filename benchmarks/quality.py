@@ -44,6 +44,10 @@ from clover_lite.engine import BUNDLED_MODEL, Engine
 from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
 from clover_lite.train import block_diffusion_forward, noise_blocks
 
+# Run as a script, this folder comes first on sys.path, where bitsandbytes' optional `import kernels` (the
+# Hugging Face kernels package) would find benchmarks/kernels.py instead: take the folder off.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 OUT = Path(__file__).parent / "out"
 RATIOS = (0.15, 0.5, 1.0)
 THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)

@@ -24,3 +24,16 @@ def tiny_engine(tiny_dir):
     import clover_lite
 
     return clover_lite.load(tiny_dir, device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def _kernels_stay_in_bounds():
+    """In every test, every interpreted Triton kernel's loads and stores must stay inside the tensors it was
+    given: an out-of-bounds access, harmless in the interpreter, is a crash or garbage on a GPU."""
+    try:
+        from .triton_bounds import check_bounds
+    except ImportError:  # no triton: nothing is interpreted
+        yield
+        return
+    with check_bounds():
+        yield

@@ -5,6 +5,8 @@ import runpy
 import sys
 from pathlib import Path
 
+from .host_sync import HostSyncTrap
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -40,11 +42,24 @@ def _tiny(tmp_path):
 
 def test_kernel_benchmark_and_gpu_check_smoke(tmp_path, monkeypatch):
     """The GPU scripts run end to end on the CPU (Triton interpreter, tiny shapes), so a GPU session finds
-    them working; on the CPU they report timings of the interpreter, which mean nothing."""
+    them working; on the CPU they report timings of the interpreter, which mean nothing. What the GPU run
+    captures in a CUDA graph must never wait for the device: checked here on the calls themselves."""
     monkeypatch.setattr(sys, "argv", ["kernels.py", "--smoke", "--out", str(tmp_path)])
-    assert runpy.run_path(str(BENCH / "kernels.py"), run_name="bench")["main"]() == 0
+    main = runpy.run_path(str(BENCH / "kernels.py"), run_name="bench")["main"]
+    captured = []
+
+    def capture_on_cpu(calls, device, reps):  # stands in for graph_time's capture
+        with HostSyncTrap():
+            for call in calls[:2]:
+                call()
+        captured.append(len(calls))
+
+    monkeypatch.setitem(main.__globals__, "graph_time", capture_on_cpu)
+    assert main() == 0
     data = json.loads((tmp_path / "kernels.json").read_text())
     assert {r["M"] for r in data["dense"]} == {1, 16} and data["moe"][0]["experts_touched"] >= 1
+    assert len(captured) == 2 * len(data["dense"]) + len(data["moe"])  # INT4 and 16-bit per row, and the MoE
+    assert all(r["weight_copies"] > 1 for r in data["dense"]) and data["moe"][0]["routings"] > 1  # rotated
     check = runpy.run_path(str(BENCH / "gpu_check.py"), run_name="bench")
     # The whole-model check is covered by tests/test_kernels_model.py; here the per-kernel checks.
     assert check["main"](["--smoke", "--no-bench", "--checks", "matmul", "MoE", "attention", "GDN", "sampling"]) == 0
@@ -59,6 +74,20 @@ def test_step_benchmark_runs(tmp_path, monkeypatch):
     for r in rows:
         assert r["step_ms"] > 0 and r["commit_ms"] > 0 and 0 <= r["outside_weight_reads"] <= 1
         assert r["attention_ms"] + r["GDN_ms"] + r["MoE_ms"] <= r["step_ms"] * 1.05
+
+
+def test_step_benchmark_through_the_kernels_and_the_static_step(tmp_path, monkeypatch):
+    """The GPU configuration of the step benchmark (INT4, Triton kernels, the static step that a GPU captures
+    as a CUDA graph), here with the interpreter and the static step run eagerly."""
+    out = tmp_path / "step.json"
+    monkeypatch.setenv("CLOVER_KERNELS", "triton")
+    monkeypatch.setattr(sys, "argv", ["step.py", "--quant", "int4", "--contexts", "9", "--reps", "1",
+                                      "--json", str(out)])
+    assert runpy.run_path(str(BENCH / "step.py"), run_name="bench")["main"]() == 0
+    data = json.loads(out.read_text())
+    assert data["graph"] == "static step, eager"
+    (r,) = data["rows"]
+    assert r["graph_step_ms"] > 0 and 0 <= r["graph_outside_weight_reads"] <= 1
 
 
 def test_kernels_compile_for_a_gpu_target():

@@ -9,6 +9,18 @@ pytest.importorskip("triton")
 import clover_lite  # noqa: E402
 from clover_lite.kernels import dispatch  # noqa: E402
 
+from .host_sync import HostSyncTrap  # noqa: E402
+
+
+def test_host_sync_trap_catches_syncs():
+    x = torch.randn(6)
+    for op in (lambda: x.sum().item(), lambda: int(x.argmax()), lambda: bool(x[0] > 0), lambda: x[x > 0],
+               lambda: torch.nonzero(x), lambda: torch.bincount(x.long().abs()), lambda: torch.unique(x)):
+        with pytest.raises(AssertionError, match="waits for the device"), HostSyncTrap():
+            op()
+    with HostSyncTrap():  # what a captured step may do
+        torch.topk(x, 2), x[torch.tensor([1, 3])], torch.argsort(x), x.clone().index_put_((torch.tensor([0]),), x[:1])
+
 
 def _pair(path):
     ref = clover_lite.load(path, device="cpu")
@@ -39,7 +51,8 @@ def test_sampling_with_kernels_is_seeded(tiny_dir):
 
 def test_static_step_equals_the_step_and_generation(tiny_dir, tmp_path):
     """The CUDA-graph step (static shapes, cache length read on the device) run eagerly here: its logits equal
-    the dynamic step's at several cache lengths, and a generation through it equals the reference's."""
+    the dynamic step's at several cache lengths, it never waits for the device (which capture forbids), and
+    a generation through it equals the reference's."""
     from clover_lite.graph import StaticStep
     from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
 
@@ -53,7 +66,8 @@ def test_static_step_equals_the_step_and_generation(tiny_dir, tmp_path):
             ids = torch.randint(0, 256, (1, n + 4), generator=gen)
             eng._cache.reset()
             eng.model.prefill(ids[:, :n], eng._cache, 4)
-            static = eng._static(ids[:, n:])[0]
+            with HostSyncTrap():  # what capture needs: the whole step runs without waiting for the device
+                static = eng._static(ids[:, n:])[0]
             cache = ref.model.new_cache()
             ref.model.prefill(ids[:, :n], cache, 4)
             dynamic, _ = ref.model.step(ids[:, n:], cache)
