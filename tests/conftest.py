@@ -27,13 +27,13 @@ def tiny_engine(tiny_dir):
 
 
 @pytest.fixture(autouse=True)
-def _kernels_stay_in_bounds():
-    """In every test, every interpreted Triton kernel's loads and stores must stay inside the tensors it was
-    given: an out-of-bounds access, harmless in the interpreter, is a crash or garbage on a GPU."""
+def _kernels_memcheck():
+    """In every test, every interpreted Triton kernel must stay inside the tensors it was given and its
+    programs must not race (tests/triton_memcheck.py): both pass unseen in the interpreter and fail on a GPU."""
     try:
-        from .triton_bounds import check_bounds
+        from .triton_memcheck import memcheck
     except ImportError:  # no triton: nothing is interpreted
         yield
         return
-    with check_bounds():
+    with memcheck():
         yield

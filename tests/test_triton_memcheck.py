@@ -1,0 +1,78 @@
+"""The memory check that every test runs under (tests/triton_memcheck.py, enabled in conftest) catches what
+it must: a planted load or store one element past a tensor or a view, programs storing to one address or
+reading what another stores, and nothing in correct kernels."""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+tl = triton.language
+
+from .triton_memcheck import OutOfBounds, Race, memcheck  # noqa: E402
+
+
+@triton.jit
+def _copy(x_ptr, y_ptr, n_load, n_store, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n_load, other=0.0), mask=offs < n_store)
+
+
+@triton.jit
+def _shifted_copy(x_ptr, y_ptr, n, shift, BLOCK: tl.constexpr):
+    """y[i + shift] = x[i] + y[i]: in place (x is y) each program reads elements another one writes."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs + shift < n
+    tl.store(y_ptr + offs + shift, tl.load(x_ptr + offs, mask=ok) + tl.load(y_ptr + offs, mask=ok), mask=ok)
+
+
+@triton.jit
+def _partial_sums(x_ptr, out_ptr, BLOCK: tl.constexpr, SHARED: tl.constexpr):
+    """Each program's block sum into out[program], or (SHARED) all into out[0]: a race without atomics."""
+    pid = tl.program_id(0)
+    total = tl.sum(tl.load(x_ptr + pid * BLOCK + tl.arange(0, BLOCK)), axis=0)
+    tl.store(out_ptr + (0 if SHARED else pid), total)
+
+
+def _cause(e: pytest.ExceptionInfo):
+    return e.value if isinstance(e.value, AssertionError) else e.value.__cause__
+
+
+@pytest.mark.parametrize("n", [1, 10, 37])
+def test_memcheck_passes_a_correct_kernel_and_catches_overruns(n):
+    x = torch.randn(n)
+    y = torch.full((n,), float("nan"))
+    with memcheck():
+        _copy[(triton.cdiv(n, 16),)](x, y, n, n, BLOCK=16)
+        assert torch.equal(x, y)
+        for n_load, n_store, kind in ((n + 1, n, "load"), (n, n + 1, "store")):
+            with pytest.raises(Exception, match=f"{kind} of 1 element") as e:
+                _copy[(triton.cdiv(n + 1, 16),)](x, y, n_load, n_store, BLOCK=16)
+            assert isinstance(_cause(e), OutOfBounds)
+
+
+def test_memcheck_holds_a_view_to_its_own_elements():
+    """Past a view's last element but inside its storage: no crash on a GPU, still a wrong write."""
+    x, y = torch.randn(9), torch.empty(12)[:9]
+    with memcheck():
+        _copy[(1,)](x, y, 9, 9, BLOCK=16)
+        with pytest.raises(Exception, match="store of 1 element"):
+            _copy[(1,)](x, y, 9, 10, BLOCK=16)
+
+
+def test_memcheck_catches_programs_that_race():
+    x = torch.randn(40)
+    with memcheck():
+        y = torch.zeros(40)
+        _shifted_copy[(3,)](x, y, 40, 0, BLOCK=16)  # each program its own elements: no race
+        assert torch.equal(y, x)
+        _shifted_copy[(3,)](y, y, 40, 0, BLOCK=16)  # in place, still each program its own elements
+        assert torch.equal(y, 2 * x)
+        with pytest.raises(Exception, match="loads .* which program .* stores in the same launch") as e:
+            _shifted_copy[(3,)](y, y, 40, 3, BLOCK=16)  # program 1 reads y[16:19], which program 0 writes
+        assert isinstance(_cause(e), Race)
+        sums = torch.zeros(2)
+        _partial_sums[(2,)](x, sums, BLOCK=16, SHARED=False)
+        torch.testing.assert_close(sums, x[:32].view(2, 16).sum(1))
+        with pytest.raises(Exception, match=r"programs \(0, 0, 0\) and \(1, 0, 0\) both store to") as e:
+            _partial_sums[(2,)](x, sums, BLOCK=16, SHARED=True)
+        assert isinstance(_cause(e), Race)

@@ -1,0 +1,162 @@
+"""Memory errors of interpreted Triton kernels, caught on the CPU: out-of-bounds accesses and races.
+
+The interpreter reads any host address it is given and runs a launch's programs one after another, so
+two kinds of bug pass unseen there and fail on a GPU (shared DESIGN.md section 5):
+- an access past a tensor's end: garbage or an illegal-address crash on a GPU. Every address a kernel
+  touches under its mask must lie inside the memory span of one tensor passed to that launch (a view's
+  span: from its first to its last element, by its strides).
+- a race between programs of one launch: on a GPU they run in no fixed order. No address may be stored by
+  two programs, or stored by one and loaded by another (our kernels use no atomics).
+`memcheck()` wraps the interpreter's loads, stores and launches to check both, as compute-sanitizer's
+memcheck and racecheck do on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from triton.runtime import interpreter
+
+
+class OutOfBounds(AssertionError):
+    pass
+
+
+class Race(AssertionError):
+    pass
+
+
+@dataclass
+class _Launch:
+    lo: np.ndarray  # sorted starts of the tensor arguments' byte spans
+    hi: np.ndarray
+    grid: tuple[int, int, int] = (1, 1, 1)
+    loads: list = field(default_factory=list)  # (addresses, program) per access
+    stores: list = field(default_factory=list)
+
+
+def _spans(args) -> list[tuple[int, int]]:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.numel():
+                last = sum((n - 1) * s for n, s in zip(a.shape, a.stride(), strict=True))
+                out.append((a.data_ptr(), a.data_ptr() + (last + 1) * a.element_size()))
+        elif isinstance(a, (tuple, list)):
+            out += _spans(a)
+    return sorted(out)
+
+
+def _touched(ptrs, mask) -> np.ndarray:
+    addr = np.broadcast_to(ptrs.data, np.broadcast_shapes(ptrs.data.shape, mask.data.shape))
+    return addr[np.broadcast_to(mask.data, addr.shape)].astype(np.uint64).ravel()
+
+
+def _check_bounds(launch: _Launch, kind: str, addr: np.ndarray, elt: int) -> None:
+    i = np.searchsorted(launch.lo, addr, side="right") - 1  # the last span starting at or before each address
+    ok = i >= 0
+    ok[ok] = addr[ok] + np.uint64(elt) <= launch.hi[i[ok]]
+    if not ok.all():
+        bad = int(addr[~ok][0])
+        j = max(0, int(i[~ok][0]))
+        where = f"; nearest tensor spans bytes [{launch.lo[j]:#x}, {launch.hi[j]:#x})" if launch.lo.size else ""
+        raise OutOfBounds(f"{kind} of {int((~ok).sum())} element(s) outside every tensor argument, first at "
+                          f"{bad:#x}{where}")
+
+
+def _check_races(launch: _Launch) -> None:
+    if not launch.stores:
+        return
+    s_addr = np.concatenate([a for a, _ in launch.stores])
+    s_prog = np.concatenate([np.full(a.size, p, dtype=np.int64) for a, p in launch.stores])
+    order = np.lexsort((s_prog, s_addr))
+    s_addr, s_prog = s_addr[order], s_prog[order]
+    clash = (s_addr[1:] == s_addr[:-1]) & (s_prog[1:] != s_prog[:-1])
+    if clash.any():
+        k = int(np.argmax(clash))
+        raise Race(f"programs {_pid(launch, s_prog[k])} and {_pid(launch, s_prog[k + 1])} both store to "
+                   f"{int(s_addr[k]):#x} ({int(clash.sum())} such addresses): their order on a GPU is undefined")
+    if not launch.loads:
+        return
+    addr, first = np.unique(s_addr, return_index=True)
+    writer = s_prog[first]
+    l_addr = np.concatenate([a for a, _ in launch.loads])
+    l_prog = np.concatenate([np.full(a.size, p, dtype=np.int64) for a, p in launch.loads])
+    hit = np.isin(l_addr, addr)
+    w = writer[np.searchsorted(addr, l_addr[hit])]
+    bad = w != l_prog[hit]
+    if bad.any():
+        k = int(np.argmax(bad))
+        raise Race(f"program {_pid(launch, l_prog[hit][k])} loads {int(l_addr[hit][k]):#x}, which program "
+                   f"{_pid(launch, w[k])} stores in the same launch: a dependency between programs, undefined "
+                   "on a GPU")
+
+
+def _pid(launch: _Launch, flat: int) -> tuple[int, int, int]:
+    gx, gy, _ = launch.grid
+    return (int(flat % gx), int(flat // gx % gy), int(flat // (gx * gy)))
+
+
+@contextlib.contextmanager
+def memcheck():
+    """While active, an interpreted kernel that touches memory outside its tensor arguments raises OutOfBounds,
+    and one whose programs race raises Race (wrapped by the interpreter in an InterpreterError)."""
+    launches: list[_Launch] = []
+    executor, builder = interpreter.GridExecutor, interpreter.InterpreterBuilder
+    init_args, call = executor._init_args_hst, executor.__call__
+    load, store, set_dim = builder.create_masked_load, builder.create_masked_store, builder.set_grid_dim
+
+    def program(b) -> int:
+        x, y, z = b.grid_idx
+        gx, gy, _ = b.grid_dim
+        return x + gx * (y + gy * z)
+
+    def init_args_checked(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
+        spans = _spans(list(args_hst) + list(kwargs_hst.values()))
+        launches.append(_Launch(np.array([s for s, _ in spans], dtype=np.uint64),
+                                np.array([e for _, e in spans], dtype=np.uint64)))
+        return args_hst, kwargs_hst
+
+    def call_checked(self, *args, **kwargs):
+        depth = len(launches)
+        try:
+            out = call(self, *args, **kwargs)
+            if len(launches) > depth:
+                _check_races(launches[depth])
+            return out
+        finally:
+            del launches[depth:]
+
+    def set_dim_checked(self, nx, ny, nz):
+        if launches:
+            launches[-1].grid = (nx, ny, nz)
+        return set_dim(self, nx, ny, nz)
+
+    def load_checked(self, ptrs, mask, other, *rest):
+        if launches:
+            addr = _touched(ptrs, mask)
+            elt = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
+            _check_bounds(launches[-1], "load", addr, elt)
+            launches[-1].loads.append((addr, program(self)))
+        return load(self, ptrs, mask, other, *rest)
+
+    def store_checked(self, ptrs, value, mask, *rest):
+        if launches:
+            addr = _touched(ptrs, mask)
+            _check_bounds(launches[-1], "store", addr, value.data.dtype.itemsize)
+            launches[-1].stores.append((addr, program(self)))
+        return store(self, ptrs, value, mask, *rest)
+
+    executor._init_args_hst, executor.__call__ = init_args_checked, call_checked
+    builder.create_masked_load, builder.create_masked_store = load_checked, store_checked
+    builder.set_grid_dim = set_dim_checked
+    try:
+        yield
+    finally:
+        executor._init_args_hst, executor.__call__ = init_args, call
+        builder.create_masked_load, builder.create_masked_store = load, store
+        builder.set_grid_dim = set_dim
