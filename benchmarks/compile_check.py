@@ -4,6 +4,7 @@ compiler actually allocates against the architecture's limit, and fails on a com
 
     python benchmarks/compile_check.py                   # all architectures (a few minutes)
     python benchmarks/compile_check.py --archs sm_86 sm_90 --quick
+    python benchmarks/compile_check.py --archs sm_90 --only gemv --as-run   # + PTX instruction/load counts
 Run with TRITON_INTERPRET unset (the interpreter replaces the compiler); the script clears it itself.
 """
 
@@ -28,15 +29,25 @@ from clover_lite.kernels import w4a16 as w4_k  # noqa: E402
 FLOAT_SCALARS = {"qk_scale", "inv_temp"}
 
 
-def source(fn, pointers: dict[str, str], consts: dict) -> ASTSource:
+# What the launcher specializes at run time for Clover's shapes (--as-run): an integer argument equal to 1
+# becomes a constant (the innermost stride of a row-major tensor), and pointers and integers that are
+# multiples of 16 are marked so; both decide whether loads can be 16 bytes wide. Named for the INT4 kernels.
+UNIT_STRIDES = {"s_xk", "s_on", "s_qn", "s_sn", "s_zn", "s_gk"}
+MULTIPLES_OF_16 = {"N", "K", "k_per_split", "group_size", "s_xm", "s_om", "s_os", "s_qe", "s_qk", "s_se", "s_sg",
+                   "s_ze", "s_zg", "s_ge"}
+
+
+def source(fn, pointers: dict[str, str], consts: dict, as_run: bool = False) -> ASTSource:
     """An ASTSource for `fn`: pointer types from `pointers` (default *fp32), i32 scalars, constexprs (every
     one of the kernel's must be given: a missing one would silently compile as an i32 argument)."""
     names = fn.arg_names
     missing = [names[i] for i in fn.constexprs if names[i] not in consts]
     if missing:
         raise ValueError(f"{fn.__name__}: no value for constexpr(s) {missing}")
-    sig = {}
-    for n in names:
+    if as_run:
+        consts = {**consts, **{n: 1 for n in UNIT_STRIDES if n in names}}
+    sig, attrs = {}, {}
+    for i, n in enumerate(names):
         if n in consts:
             sig[n] = "constexpr"
         elif n.endswith("_ptr"):
@@ -45,13 +56,27 @@ def source(fn, pointers: dict[str, str], consts: dict) -> ASTSource:
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
-    return ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+        if as_run and n not in consts and (n.endswith("_ptr") or n in MULTIPLES_OF_16):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                     attrs=attrs)
 
 
-def compile_one(fn, pointers, consts, cap, num_warps, num_stages):
-    k = triton.compile(source(fn, pointers, consts), target=GPUTarget("cuda", cap, 32),
-                       options=dict(num_warps=num_warps, num_stages=num_stages))
-    return k.metadata.shared
+def compile_one(fn, pointers, consts, cap, num_warps, num_stages, as_run: bool = False):
+    return triton.compile(source(fn, pointers, consts, as_run), target=GPUTarget("cuda", cap, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def ptx_stats(kernel) -> str:
+    """Instructions in the PTX, and global loads with how many are 16 bytes wide (the device notes: are
+    the loads 16 bytes wide?). cp.async copies (the pipelined tl.dot operands) are counted apart."""
+    body = [ln.strip() for ln in kernel.asm["ptx"].splitlines()]
+    body = [ln.split(None, 1)[1] if ln.startswith("@") and " " in ln else ln for ln in body]  # drop predicates
+    n = sum(1 for ln in body if ln and not ln.startswith(("//", ".", "$", "{", "}", ")", "(")) and not ln.endswith(":"))
+    loads = sum(ln.startswith("ld.global") for ln in body)
+    wide = sum(ln.startswith("ld.global") and ".v4." in ln for ln in body)
+    copies = sum(ln.startswith("cp.async.") and "shared.global" in ln for ln in body)
+    return f"{n} PTX instructions, {loads} global loads ({wide} of 16 bytes), {copies} cp.async"
 
 
 def int4_pointers(act: str, out: str) -> dict[str, str]:
@@ -72,11 +97,14 @@ def cases(arch: str, quick: bool):
                     ("moe down", dict(HAS_ROWS=False, HAS_EXPERTS=True, FUSE_GATE_UP=False, HAS_ROW_SCALE=True))]
         for label, flags in variants[: 1 if quick and m != 16 else 3]:
             for gidx in (False, True):
-                consts = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, HAS_GIDX=gidx, DOT_IEEE=False,
+                fused = flags["FUSE_GATE_UP"]
+                g = configs.for_gathered_groups(c, arch, fused) if gidx else c  # as the launcher adjusts it
+                consts = dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_GIDX=gidx, DOT_IEEE=False,
                               **flags)
-                out = "*fp32" if c.split_k > 1 and not flags["FUSE_GATE_UP"] else act
+                out = "*fp32" if g.split_k > 1 and not fused else act
                 yield (f"w4a16 gemm M<={m} {label}{' g_idx' if gidx else ''}", w4_k._gemm_kernel,
-                       int4_pointers(act, out), consts, c.num_warps, c.num_stages, c.smem_bytes())
+                       int4_pointers(act, out), consts, g.num_warps, g.num_stages,
+                       g.smem_bytes(gathered=gidx, fused=fused))
     g = configs.GEMV_TABLE[arch]
     for fused in (False, True):
         consts = dict(BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_ROWS=fused, HAS_EXPERTS=fused, HAS_GIDX=False,
@@ -106,6 +134,9 @@ def main(argv=None) -> int:
     ap.add_argument("--archs", nargs="+", default=list(configs.SMEM_LIMIT))
     ap.add_argument("--quick", action="store_true", help="fewer M buckets and variants")
     ap.add_argument("--only", nargs="+", help="only the cases whose names contain one of these words")
+    ap.add_argument("--as-run", action="store_true",
+                    help="compile with the launcher's run-time specializations (unit strides, multiples of 16) "
+                         "and print PTX instruction and load counts per kernel")
     args = ap.parse_args(argv)
     failures = 0
     for arch in args.archs:
@@ -114,7 +145,8 @@ def main(argv=None) -> int:
             if args.only and not any(w in name for w in args.only):
                 continue
             try:
-                shared = compile_one(fn, ptrs, consts, int(arch.removeprefix("sm_")), warps, stages)
+                kernel = compile_one(fn, ptrs, consts, int(arch.removeprefix("sm_")), warps, stages, args.as_run)
+                shared = kernel.metadata.shared
             except Exception as e:  # report every failure, then exit non-zero
                 failures += 1
                 print(f"FAIL {arch} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -122,7 +154,8 @@ def main(argv=None) -> int:
             over = shared > limit
             failures += over
             note = "" if est is None else f" (table estimate {est})"
-            print(f"{'OVER' if over else 'ok  '} {arch} {name}: {shared} B shared of {limit}{note}", flush=True)
+            stats = f"; {ptx_stats(kernel)}" if args.as_run else ""
+            print(f"{'OVER' if over else 'ok  '} {arch} {name}: {shared} B shared of {limit}{note}{stats}", flush=True)
     print(f"{failures} failure(s)")
     return 1 if failures else 0
 

@@ -15,15 +15,17 @@ from clover_lite.quant.pack import pack_qweight, pack_qzeros  # noqa: E402
 GEN = torch.Generator().manual_seed(20261201)
 
 
-def random_int4(K, N, group, fmt="gptq", sym=True, act_order=False, stack=None):
-    """Random GPTQ tensors and the float64 weight W [.., N, K] they encode (computed independently)."""
+def random_int4(K, N, group, fmt="gptq", sym=True, act_order=False, stack=None, g_idx=None):
+    """Random GPTQ tensors and the float64 weight W [.., N, K] they encode (computed independently);
+    `g_idx` [stack or 1, K] imposes an act-order grouping."""
     lead = () if stack is None else (stack,)
     G = 1 if group == -1 else K // group
     q = torch.randint(0, 16, (*lead, K, N), generator=GEN)
     zeros = torch.full((*lead, G, N), 8) if sym else torch.randint(1, 16, (*lead, G, N), generator=GEN)
     scales = (torch.rand(*lead, G, N, generator=GEN) * 0.02 + 0.005).half()
     base = torch.arange(K) // (K // G)
-    g_idx = torch.stack([base[torch.randperm(K, generator=GEN)] for _ in range(stack or 1)]) if act_order else None
+    if act_order and g_idx is None:
+        g_idx = torch.stack([base[torch.randperm(K, generator=GEN)] for _ in range(stack or 1)])
     gi = g_idx if g_idx is not None else base.expand(stack or 1, K)
     packs, w = [], []
     for e in range(stack or 1):
@@ -73,6 +75,18 @@ def test_gemm_tiles_ragged_k_and_split_k(split_k, act_order):
     torch.testing.assert_close(y.double(), x.double() @ w.t(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("K,group", [(64, 8), (80, 40), (96, 48), (192, 96), (256, 128)])
+@pytest.mark.parametrize("M", [2, 17])
+def test_any_group_size_that_divides_k(K, group, M):
+    """Groups of 8 or 40 rows (no power-of-two tile >= 16 fits them) are followed row by row; 48 or 96 rows
+    in 16- or 32-row tiles; a group spanning several tiles (128 over BLOCK_K 32) applies one scale and zero
+    per tile."""
+    t, w = random_int4(K, 24, group, "gptq_v2", sym=False)
+    x = torch.randn(M, K, generator=GEN)
+    y = w4a16_matmul(x, **t)
+    torch.testing.assert_close(y.double(), x.double() @ w.t(), atol=1e-4, rtol=1e-4)
+
+
 def test_bf16_input_is_computed_in_fp32_under_the_interpreter():
     t, w = random_int4(64, 16, 32)
     x = torch.randn(6, 64, generator=GEN).bfloat16()
@@ -119,14 +133,21 @@ def test_fused_moe_both_paths_agree():
     torch.testing.assert_close(tiled_path.double(), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_model_with_triton_kernels_generates_like_the_reference(tiny_dir, tmp_path):
+@pytest.mark.parametrize("static_groups", [True, False])
+def test_model_with_triton_kernels_generates_like_the_reference(tiny_dir, tmp_path, static_groups):
+    """Our default checkpoint (act-order with static groups: plain g_idx), and desc_act without static
+    groups (scattered groups, repacked by group at load) through every kernel."""
     import clover_lite
+    from clover_lite.models.quantized import QuantLinear
     from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
 
-    out = quantize_model(tiny_dir, tmp_path / "q", QuantizeOptions(group_size=32, nsamples=4, seqlen=32)).out
+    opts = QuantizeOptions(group_size=32, nsamples=4, seqlen=32, static_groups=static_groups)
+    out = quantize_model(tiny_dir, tmp_path / "q", opts).out
     ref = clover_lite.load(out, device="cpu")
     tri = clover_lite.load(out, device="cpu")
     dispatch.apply(tri.model, "triton")
+    repacked = [m for m in tri.model.modules() if isinstance(m, QuantLinear) and m.k_perm is not None]
+    assert bool(repacked) == (not static_groups)
     with torch.no_grad():
         ids = torch.randint(0, 256, (1, 20), generator=GEN)  # 40 (token, expert) pairs: the tiled MoE path
         torch.testing.assert_close(tri.model(ids, block_size=4), ref.model(ids, block_size=4), atol=1e-4, rtol=1e-4)
@@ -141,6 +162,11 @@ def test_every_tuning_config_fits_its_architecture():
             assert 128 % c.block_k == 0 and c.split_k >= 1, (arch, m, c)
             assert c.smem_bytes() <= configs.SMEM_LIMIT[arch], (arch, m, c, c.smem_bytes())
             assert all(a.smem_bytes() <= configs.SMEM_LIMIT[arch] for a in configs.autotune_configs(arch, m))
+            for fused in (False, True):  # act-order g_idx: scales and zeros gathered per element
+                for a in configs.autotune_configs(arch, m):
+                    g = configs.for_gathered_groups(a, arch, fused)
+                    assert g.block_k >= 16 and 128 % g.block_k == 0, (arch, m, fused, g)
+                    assert g.smem_bytes(gathered=True, fused=fused) <= configs.SMEM_LIMIT[arch], (arch, m, fused, g)
         gv = configs.GEMV_TABLE[arch]
         assert min(gv.block_n, gv.block_k) >= 16 and gv.smem_bytes() <= configs.SMEM_LIMIT[arch]
     assert configs.arch_of((8, 6)) == "sm_86" and configs.arch_of((9, 0)) == "sm_90"
@@ -205,3 +231,71 @@ def test_autotune_keeps_the_fastest_working_config():
     seen = []
     best = w4a16.autotune(("test", 1), cands, run, measure=lambda fn: (seen.append(fn()), times[seen[-1].split_k])[1])
     assert best.split_k == 2 and w4a16.autotune(("test", 1), cands, run) is best  # cached: not measured again
+
+
+def _quant_linear(t, K, N, group, stack=None):
+    from clover_lite.models.quantized import QuantLinear
+
+    lin = QuantLinear(K, N, K // group, checkpoint_format=t["checkpoint_format"], stack=stack)
+    gi = t["g_idx"] if t["g_idx"] is not None else torch.arange(K) // group
+    for name, v in (("qweight", t["qweight"]), ("qzeros", t["qzeros"]), ("scales", t["scales"]), ("g_idx", gi)):
+        getattr(lin, name).copy_(v.reshape(getattr(lin, name).shape))
+    return lin
+
+
+@pytest.mark.parametrize("M", [2, 17])
+def test_act_order_linear_is_repacked_by_group(M):
+    """desc_act weights (every group 32 rows, scattered over K): prepare() reorders the rows by group once,
+    the kernels take the per-tile path on the gathered input, and the module still computes x W^T."""
+    t, w = random_int4(96, 40, 32, "gptq", sym=False, act_order=True)
+    lin = _quant_linear(t, 96, 40, 32)
+    before = lin.qweight.clone()
+    dispatch.apply(lin, "triton")
+    assert lin.k_perm is not None and lin._int4.g_idx is None and not torch.equal(lin.qweight, before)
+    assert torch.equal(lin.g_idx, torch.arange(96, dtype=torch.int32) // 32)
+    torch.testing.assert_close(lin.weight_of(dtype=torch.float64), w)  # the reference path follows k_perm
+    lin.prepare()  # idempotent: a second preparation repacks nothing
+    assert torch.equal(torch.sort(lin.k_perm).values, torch.arange(96))
+    x = torch.randn(M, 96, generator=GEN)
+    torch.testing.assert_close(lin(x).double(), x.double() @ w.t(), atol=1e-4, rtol=1e-4)
+
+
+def test_irregular_groups_keep_the_gathering_path():
+    """A g_idx whose groups are not all 32 rows cannot be reordered into plain groups: no repacking."""
+    g_idx = (torch.arange(96) // 32)[torch.randperm(96, generator=GEN)]
+    g_idx[:5] = 0  # group 0 now holds more than 32 rows
+    t, w = random_int4(96, 40, 32, "gptq", act_order=True, g_idx=g_idx[None])
+    lin = _quant_linear(t, 96, 40, 32)
+    dispatch.apply(lin, "triton")
+    assert lin.k_perm is None and lin._int4.g_idx is not None
+    x = torch.randn(5, 96, generator=GEN)
+    torch.testing.assert_close(lin(x).double(), x.double() @ w.t(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shared_order", [True, False])
+@pytest.mark.parametrize("T", [2, 40])  # the GEMV path, and the padded path (10 rows per expert)
+def test_act_order_experts_repacked_by_group(shared_order, T):
+    """Stacks of act-order experts through fused_moe: gate and up in one row order (as GPTQ writes them:
+    one gathered input, fused kernel) or in two; down in its own; against a float64 reference."""
+    from clover_lite.models.quantized import gptq_experts
+
+    E, k, H, inter = 4, 2, 64, 32
+    gate_t, gate_w = random_int4(H, inter, 32, act_order=True, stack=E)
+    up_t, up_w = random_int4(H, inter, 32, act_order=True, stack=E, g_idx=gate_t["g_idx"] if shared_order else None)
+    down_t, down_w = random_int4(inter, H, 16, act_order=True, stack=E)
+    experts = gptq_experts(E, H, inter, H // 32, inter // 16)
+    for name, t, K, N, g in (("gate_proj", gate_t, H, inter, 32), ("up_proj", up_t, H, inter, 32),
+                             ("down_proj", down_t, inter, H, 16)):
+        setattr(experts, name, _quant_linear(t, K, N, g, stack=E))
+    dispatch.apply(experts, "triton")
+    assert all(p.k_perm is not None for p in (experts.gate_proj, experts.up_proj, experts.down_proj))
+    assert (experts.up_proj.k_perm is experts.gate_proj.k_perm) == shared_order
+    x = torch.randn(T, H, generator=GEN)
+    weights, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=GEN), -1), k)
+
+    def expert(e, h):
+        g, u = h.double() @ gate_w[e].t(), h.double() @ up_w[e].t()
+        return (torch.nn.functional.silu(g) * u) @ down_w[e].t()
+
+    ref = moe_reference(x.double(), weights.double(), ids, E, expert)
+    torch.testing.assert_close(experts(x, weights, ids).double(), ref, atol=1e-4, rtol=1e-4)

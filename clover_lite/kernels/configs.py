@@ -34,13 +34,18 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
 
-    def smem_bytes(self, act_bytes: int = 2) -> int:
+    def smem_bytes(self, act_bytes: int = 2, gathered: bool = False, fused: bool = False) -> int:
         """Pipelined loads per stage (activation tile [BM, BK], packed weights [BK/8, BN] int32) plus one
-        dequantized operand tile [BK, BN] for tl.dot: the path without an act-order g_idx. With one, scales
-        and zeros are gathered per element and the compiler stages more (benchmarks/compile_check.py
-        measures the real figure for every configuration and architecture)."""
+        dequantized operand tile [BK, BN] for tl.dot. `gathered`: with an act-order g_idx the scales and
+        zeros are gathered per weight element and staged too, for up to two stages, for each weight set
+        (two when gate and up are fused): 4 bytes per element, an upper bound on what the compiler
+        allocated for sm_86 and sm_90 with run-time specialization (benchmarks/compile_check.py --as-run
+        measures every configuration)."""
         per_stage = self.block_m * self.block_k * act_bytes + self.block_k * self.block_n // 2
-        return self.num_stages * per_stage + self.block_k * self.block_n * act_bytes
+        base = self.num_stages * per_stage + self.block_k * self.block_n * act_bytes
+        if not gathered:
+            return base
+        return base + min(self.num_stages, 2) * self.block_k * self.block_n * 4 * (2 if fused else 1)
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,14 @@ def arch_of(capability: tuple[int, int]) -> str:
 def gemm_config(arch: str, m: int) -> GemmConfig:
     table = GEMM_TABLE[arch]
     return next(table[b] for b in M_BUCKETS if m <= b)
+
+
+def for_gathered_groups(cfg: GemmConfig, arch: str, fused: bool) -> GemmConfig:
+    """The config for weights with an act-order g_idx: BLOCK_K halved (not below 16, tl.dot's minimum)
+    until the per-element scales and zeros fit the architecture's shared memory."""
+    while cfg.block_k > 16 and cfg.smem_bytes(gathered=True, fused=fused) > SMEM_LIMIT[arch]:
+        cfg = GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k // 2, cfg.split_k, cfg.num_warps, cfg.num_stages)
+    return cfg
 
 
 def autotune_configs(arch: str, m: int) -> list[GemmConfig]:

@@ -5,7 +5,8 @@ Two paths (shared DESIGN.md sections 4 and 7): when the touched experts hold few
 block with top-8 of 256 experts gives ~1.6 rows per touched expert) every (token, expert) pair is one
 GEMV-style program that reads its expert's weights once, with no padding; with many rows per expert
 (prefill) pairs are sorted by expert and padded to BLOCK_M-row tiles with one expert per tile, as vLLM's
-fused_moe does, and run through the tiled tl.dot kernel.
+fused_moe does, and run through the tiled tl.dot kernel. Act-order experts repacked by group at load
+(Int4Weights.perm) get each pair's input with its columns gathered into the expert's row order.
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ def align_by_expert(sorted_expert: torch.Tensor, num_experts: int, block_m: int)
     tile_expert = torch.repeat_interleave(torch.arange(num_experts, device=sorted_expert.device, dtype=torch.int32),
                                           padded // block_m)
     return pos, rows, tile_expert, n_pad
+
+
+def _gather_columns(rows: torch.Tensor, w: Int4Weights, experts: torch.Tensor) -> torch.Tensor:
+    """rows [R, K], each multiplying expert experts[r]: columns in that expert's weight-row order."""
+    return rows if w.perm is None else torch.gather(rows, 1, w.perm[experts])
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
 def fused_moe(
@@ -62,15 +72,33 @@ def fused_moe(
     # Rows per touched expert, expected under uniform routing: decided on the host from T alone, so the
     # common (GEMV) path never waits for the GPU. T tokens top-k of E touch E (1 - (1 - k/E)^T) experts.
     touched = E * (1 - (1 - k / E) ** T) if P else 1.0
+    permuted = gate.perm is not None or up.perm is not None
+    if permuted:  # act-order weights repacked by group: each pair's input, columns in its expert's row order
+        x_pairs = x[token_of.long()]
+        x_gate = _gather_columns(x_pairs, gate, sorted_e)
+        x_up = x_gate if up.perm is gate.perm else _gather_columns(x_pairs, up, sorted_e)
     if P <= touched * gemv_max_rows:
         e32 = sorted_e.to(torch.int32)
-        inter = gemv(x, gate, up, rows=token_of, row_expert=e32, n_rows=P)
+        if not permuted:
+            inter = gemv(x, gate, up, rows=token_of, row_expert=e32, n_rows=P)
+        elif x_up is x_gate:
+            inter = gemv(x_gate, gate, up, row_expert=e32, n_rows=P)
+        else:  # gate and up in different row orders (not what GPTQ writes): unfused
+            inter = _silu_mul(gemv(x_gate, gate, row_expert=e32), gemv(x_up, up, row_expert=e32))
+        inter = _gather_columns(inter, down, sorted_e)
         y = gemv(inter, down, row_expert=e32, row_scale=scale, n_rows=P)
     else:
         cfg = gemm_config_for(x.device, int(P / max(touched, 1.0)))
         pos, pairs, tile_expert, n_pad = align_by_expert(sorted_e, E, cfg.block_m)
-        x_rows = torch.where(pairs >= 0, token_of[pairs.clamp(min=0).long()], -1).to(torch.int32)
-        inter = gemm(x, gate, up, rows=x_rows, tile_expert=tile_expert, n_rows=n_pad, config=cfg)
+        tiles = dict(tile_expert=tile_expert, n_rows=n_pad, config=cfg)
+        if not permuted:
+            x_rows = torch.where(pairs >= 0, token_of[pairs.clamp(min=0).long()], -1).to(torch.int32)
+            inter = gemm(x, gate, up, rows=x_rows, **tiles)
+        elif x_up is x_gate:
+            inter = gemm(x_gate, gate, up, rows=pairs, **tiles)
+        else:
+            inter = _silu_mul(gemm(x_gate, gate, rows=pairs, **tiles), gemm(x_up, up, rows=pairs, **tiles))
+        inter = _gather_columns(inter, down, tile_expert.long().repeat_interleave(cfg.block_m))
         scale_pad = torch.zeros(n_pad, device=x.device, dtype=torch.float32)
         scale_pad[pos] = scale
         y = gemm(inter, down, tile_expert=tile_expert, row_scale=scale_pad, n_rows=n_pad, config=cfg)[pos]

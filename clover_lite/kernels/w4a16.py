@@ -7,7 +7,9 @@ Two Triton kernels serve both dense linears and MoE experts (shared DESIGN.md se
   where padding every expert to a 16-row tile would waste most of the work.
 Both can fuse SiLU(gate) * up (two weight sets, two accumulators) and a per-row scale (routing weight).
 When BLOCK_K stays inside one group (no act-order g_idx) the scale and zero apply once per tile:
-out += s * (x . q - z * sum(x)) (DESIGN section 7); with an act-order g_idx they are gathered per element.
+out += s * (x . q - z * sum(x)) (DESIGN section 7); with an act-order g_idx they are gathered per element
+(the modules avoid that: QuantLinear.prepare reorders desc_act rows by group once, and x's columns are
+gathered instead, see Int4Weights.perm).
 """
 
 from __future__ import annotations
@@ -123,6 +125,25 @@ def _gemm_kernel(
 
 
 @triton.jit
+def _row_tile_product(x, xsum, qw_ptr, sc_ptr, qz_ptr, gi_ptr, e, offs_k, offs_n, k_ok, n_ok, k0, k_end,
+                      s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
+                      group_size, zero_offset, HAS_GIDX: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """One row x [BK] (fp32, masked; xsum its sum) times the dequantized weight tile [BK, BN] -> fp32 [BN].
+    Without g_idx the tile lies in one group: one scale and zero per column, not one per element, so the
+    loop streams the packed weights instead of gathering BK x BN scales and zeros."""
+    q = _load_int4(qw_ptr, e, k0, k_end, offs_n, n_ok, s_qe, s_qk, s_qn, BLOCK_K, BLOCK_N)
+    if HAS_GIDX:
+        g = tl.load(gi_ptr + e * s_ge + offs_k * s_gk, mask=k_ok, other=0)
+        s, z = _group_params(sc_ptr, qz_ptr, e, g[:, None], offs_n[None, :], k_ok[:, None] & n_ok[None, :],
+                             s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
+        return tl.sum(x[:, None] * ((q.to(tl.float32) - z) * s), axis=0)
+    s, z = _group_params(sc_ptr, qz_ptr, e, k0 // group_size, offs_n, n_ok, s_se, s_sg, s_sn, s_ze, s_zg, s_zn,
+                         zero_offset)
+    return s * (tl.sum(x[:, None] * q.to(tl.float32), axis=0) - z * xsum)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, rows_ptr, row_expert_ptr, out_ptr, row_scale_ptr,
     qw_ptr, sc_ptr, qz_ptr, gi_ptr, qw2_ptr, sc2_ptr, qz2_ptr, gi2_ptr,
@@ -148,25 +169,15 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        mask = k_ok[:, None] & n_ok[None, :]
         x = tl.load(x_ptr + row * s_xm + offs_k * s_xk, mask=k_ok, other=0.0).to(tl.float32)
-        if HAS_GIDX:
-            g = tl.load(gi_ptr + e * s_ge + offs_k * s_gk, mask=k_ok, other=0)
-        else:
-            g = offs_k // group_size
-        q = _load_int4(qw_ptr, e, k0, K, offs_n, n_ok, s_qe, s_qk, s_qn, BLOCK_K, BLOCK_N)
-        s, z = _group_params(sc_ptr, qz_ptr, e, g[:, None], offs_n[None, :], mask,
-                             s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
-        acc += tl.sum(x[:, None] * ((q.to(tl.float32) - z) * s), axis=0)
+        xsum = tl.sum(x, axis=0)
+        acc += _row_tile_product(x, xsum, qw_ptr, sc_ptr, qz_ptr, gi_ptr, e, offs_k, offs_n, k_ok, n_ok, k0, K,
+                                 s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
+                                 group_size, zero_offset, HAS_GIDX, BLOCK_K, BLOCK_N)
         if FUSE_GATE_UP:
-            if HAS_GIDX:
-                g2 = tl.load(gi2_ptr + e * s_ge + offs_k * s_gk, mask=k_ok, other=0)
-            else:
-                g2 = g
-            q2 = _load_int4(qw2_ptr, e, k0, K, offs_n, n_ok, s_qe, s_qk, s_qn, BLOCK_K, BLOCK_N)
-            s2, z2 = _group_params(sc2_ptr, qz2_ptr, e, g2[:, None], offs_n[None, :], mask,
-                                   s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
-            acc2 += tl.sum(x[:, None] * ((q2.to(tl.float32) - z2) * s2), axis=0)
+            acc2 += _row_tile_product(x, xsum, qw2_ptr, sc2_ptr, qz2_ptr, gi2_ptr, e, offs_k, offs_n, k_ok, n_ok,
+                                      k0, K, s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
+                                      group_size, zero_offset, HAS_GIDX, BLOCK_K, BLOCK_N)
     if FUSE_GATE_UP:
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
     if HAS_ROW_SCALE:
@@ -178,10 +189,14 @@ def _gemv_kernel(
 class Int4Weights:
     """GPTQ tensors of one linear ([K/8, N] ...) or a stack of experts ([E, K/8, N] ...), validated."""
 
-    def __init__(self, qweight, scales, qzeros, group_size: int, g_idx=None, checkpoint_format: str = "gptq"):
+    def __init__(self, qweight, scales, qzeros, group_size: int, g_idx=None, checkpoint_format: str = "gptq",
+                 perm=None):
+        """`perm` [.., K]: weights whose rows were reordered by group at load (quant.pack.sort_rows_by_group):
+        row k multiplies input column perm[k]. The kernels do not read it; callers gather x's columns first."""
         if qweight.dim() == 2:
             qweight, scales, qzeros = qweight[None], scales[None], qzeros[None]
             g_idx = None if g_idx is None else g_idx[None]
+            perm = None if perm is None else perm[None]
         if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
             raise ValueError(f"qweight and qzeros must be int32, got {qweight.dtype} and {qzeros.dtype}")
         if scales.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -199,14 +214,21 @@ class Int4Weights:
             raise ValueError(f"qzeros have shape {tuple(qzeros.shape)}, expected {(E, G, N // 8)}")
         if g_idx is not None and g_idx.shape != (E, K):
             raise ValueError(f"g_idx has shape {tuple(g_idx.shape)}, expected ({K},) per linear")
+        if perm is not None and perm.shape != (E, K):
+            raise ValueError(f"perm has shape {tuple(perm.shape)}, expected ({K},) per linear")
         if checkpoint_format not in ("gptq", "gptq_v2"):
             raise ValueError(f"checkpoint_format must be 'gptq' or 'gptq_v2', got '{checkpoint_format}'")
         devices = {t.device for t in (qweight, scales, qzeros) + (() if g_idx is None else (g_idx,))}
         if len(devices) != 1:
             raise ValueError(f"weight tensors are on different devices: {devices}")
+        if g_idx is None and group_size < K and group_size & -group_size < 16:
+            # Tiles are powers of two >= 16 inside one group: groups of 8 or 40 rows are followed row by row,
+            # as act-order groups are.
+            g_idx = (torch.arange(K, device=qweight.device, dtype=torch.int32) // group_size).expand(E, K)
         self.qweight, self.scales, self.qzeros = qweight, scales, qzeros
         self.g_idx = None if g_idx is None else g_idx.to(torch.int32)
         self.E, self.K, self.N, self.group_size = E, K, N, group_size
+        self.perm = perm
         self.zero_offset = 1 if checkpoint_format == "gptq" else 0
 
     def args(self):
@@ -216,6 +238,14 @@ class Int4Weights:
     def strides(self):
         sg = (self.g_idx.stride(0), self.g_idx.stride(1)) if self.g_idx is not None else (0, 0)
         return (*self.qweight.stride(), *self.scales.stride(), *self.qzeros.stride(), *sg)
+
+
+def _block_k(block_k: int, w: Int4Weights) -> int:
+    """Without a g_idx a tile must not straddle two groups: the largest power of two up to block_k that
+    divides the group size (Int4Weights gives a group with none >= 16, say 8 or 40 rows, a g_idx)."""
+    if w.g_idx is None and w.group_size < w.K:
+        return min(block_k, w.group_size & -w.group_size)
+    return block_k
 
 
 def _check_x(x: torch.Tensor, w: Int4Weights) -> None:
@@ -282,17 +312,17 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
     xc = x.to(cdt)
     M = n_rows if n_rows is not None else x.shape[0]
     cfg = config
+    arch = _arch(x.device)
     if cfg is None:
-        arch = _arch(x.device)
         cfg = gemm_config_for(x.device, M)
         if arch is not None and os.environ.get("CLOVER_AUTOTUNE", "1") == "1":
             bucket = next(b for b in configs.M_BUCKETS if M <= b)
             key = (x.device.index, bucket, w.N, w.K, w2 is not None, w.g_idx is not None, rows is not None)
             cfg = autotune(key, configs.autotune_configs(arch, M),
                            lambda c: gemm(x, w, w2, rows, tile_expert, row_scale, n_rows, config=c))
-    bk = cfg.block_k
-    if w.g_idx is None and w.group_size < w.K and w.group_size % bk:
-        bk = w.group_size  # a tile must not straddle two groups (group sizes are powers of two >= 16)
+    if arch is not None and w.g_idx is not None:  # gathered scales and zeros: a narrower K tile must fit
+        cfg = configs.for_gathered_groups(cfg, arch, fused=w2 is not None)
+    bk = _block_k(cfg.block_k, w)
     split = 1 if w2 is not None else max(1, min(cfg.split_k, triton.cdiv(w.K, bk)))
     k_per = triton.cdiv(triton.cdiv(w.K, split), bk) * bk
     split = triton.cdiv(w.K, k_per)
@@ -337,7 +367,7 @@ def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         w.N, w.K, w.group_size, w.zero_offset,
         xc.stride(0), xc.stride(1), out.stride(0), out.stride(1),
         *w.strides(),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_N=cfg.block_n, BLOCK_K=_block_k(cfg.block_k, w),
         HAS_ROWS=rows is not None, HAS_EXPERTS=row_expert is not None, HAS_GIDX=w.g_idx is not None,
         FUSE_GATE_UP=w2 is not None, HAS_ROW_SCALE=row_scale is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quant.nf4 import dequantize_nf4
-from ..quant.pack import PACK, dequantize, zero_offset
+from ..quant.pack import PACK, dequantize, sort_rows_by_group, zero_offset
 from .moe import dispatch
 
 
@@ -43,6 +43,9 @@ class QuantLinear(nn.Module):
         self.register_buffer("qzeros", torch.zeros(*lead, groups, out_features // PACK, dtype=torch.int32))
         self.register_buffer("scales", torch.zeros(*lead, groups, out_features, dtype=torch.float16))
         self.register_buffer("g_idx", torch.zeros(*lead, in_features, dtype=torch.int32))
+        # Set by prepare() for act-order weights repacked for the kernels: qweight row k is input column
+        # k_perm[k]. Not saved: a prepared module's buffers are in the kernels' order.
+        self.register_buffer("k_perm", None, persistent=False)
         self.bias = nn.Parameter(torch.zeros(*lead, out_features)) if bias else None
 
     backend = "torch"  # "triton" once kernels.apply chose it at load time
@@ -52,7 +55,19 @@ class QuantLinear(nn.Module):
         t = (self.qweight, self.qzeros, self.scales, self.g_idx)
         if index is not None:
             t = tuple(x[index] for x in t)
-        return dequantize(*t, checkpoint_format=self.checkpoint_format, dtype=dtype)
+        if index is None and t[0].dim() == 3:
+            w = torch.stack([dequantize(*(x[e] for x in t), checkpoint_format=self.checkpoint_format, dtype=dtype)
+                             for e in range(t[0].shape[0])])
+        else:
+            w = dequantize(*t, checkpoint_format=self.checkpoint_format, dtype=dtype)
+        if self.k_perm is not None:  # repacked rows: put each column back at its input position
+            perm = self.k_perm if index is None else self.k_perm[index]
+            w = torch.empty_like(w).scatter_(-1, perm.unsqueeze(-2).expand_as(w), w)
+        return w
+
+    def _plain_groups(self) -> torch.Tensor:
+        K, G = self.in_features, self.groups
+        return torch.arange(K, device=self.g_idx.device, dtype=torch.int32) // (K // G)
 
     def int4(self):
         """The weights as the Triton kernels take them; an act-order g_idx that is plain k // group_size
@@ -60,13 +75,24 @@ class QuantLinear(nn.Module):
         from ..kernels.w4a16 import Int4Weights
 
         K, G = self.in_features, self.groups
-        plain = torch.arange(K, device=self.g_idx.device, dtype=torch.int32) // (K // G)
-        g_idx = None if bool((self.g_idx == plain).all()) else self.g_idx
-        return Int4Weights(self.qweight, self.scales, self.qzeros, K // G, g_idx, self.checkpoint_format)
+        g_idx = None if bool((self.g_idx == self._plain_groups()).all()) else self.g_idx
+        return Int4Weights(self.qweight, self.scales, self.qzeros, K // G, g_idx, self.checkpoint_format,
+                           perm=self.k_perm)
 
     def prepare(self) -> None:
-        """Called once when the Triton backend is chosen: the kernels' view of the weights, cached (the
-        g_idx check syncs with the device, which must not happen on every step)."""
+        """Called when the Triton backend is chosen: the kernels' view of the weights, cached (the g_idx
+        checks sync with the device, which must not happen on every step). Act-order weights whose groups
+        are only reordered (every group exactly group_size rows, as GPTQ's desc_act writes them) are
+        repacked in place once so that each group's rows are contiguous: the kernels then take their
+        per-tile path and the input's columns are gathered instead (M x K values, where the per-element
+        path gathers K x N scales and zeros and needs several times the shared memory)."""
+        plain = self._plain_groups()
+        if self.k_perm is None and not bool((self.g_idx == plain).all()):
+            repacked = sort_rows_by_group(self.qweight, self.g_idx, self.in_features // self.groups)
+            if repacked is not None:
+                self.qweight.copy_(repacked[0])
+                self.g_idx.copy_(plain.expand_as(self.g_idx))
+                self.k_perm = repacked[1]
         self._int4 = self.int4()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,6 +101,8 @@ class QuantLinear(nn.Module):
 
             x2 = x.reshape(-1, self.in_features)
             w = getattr(self, "_int4", None) or self.int4()
+            if w.perm is not None:
+                x2 = x2.index_select(1, w.perm[0])
             y = gemv(x2, w) if x2.shape[0] <= 4 else gemm(x2, w)
             y = y.reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
@@ -130,6 +158,20 @@ class QuantExperts(nn.Module):
 
     backend = "torch"
     graph_safe = False  # True only inside graph.StaticStep.forward: never the padded path (host-sized buffers)
+
+    def prepare(self) -> None:
+        """Prepare the three stacks for the kernels; gate and up see the same inputs, so GPTQ's act-order
+        gives them the same row order: then they share one permutation tensor and the fused gate/up kernel
+        reads one gathered input (fused_moe tells them apart by identity)."""
+        parts = (self.gate_proj, self.up_proj, self.down_proj)
+        if not all(isinstance(p, QuantLinear) for p in parts):
+            return
+        for p in parts:
+            p.prepare()
+        gate, up = self.gate_proj, self.up_proj
+        if gate.k_perm is not None and up.k_perm is not None and torch.equal(gate.k_perm, up.k_perm):
+            up.k_perm = gate.k_perm
+            up.prepare()
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.backend == "triton" and isinstance(self.gate_proj, QuantLinear):

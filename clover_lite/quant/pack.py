@@ -78,3 +78,21 @@ def dequantize(
     g = g_idx.long()
     w = (q - zeros[g]).to(torch.float32) * scales[g].to(torch.float32)  # [K, N]
     return w.t().to(dtype or scales.dtype)
+
+
+def sort_rows_by_group(qweight: torch.Tensor, g_idx: torch.Tensor,
+                       group_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Act-order weights (qweight [.., K/8, N], g_idx [.., K]) with their rows reordered so that each group's
+    rows are contiguous, as static groups are: (qweight in the new order, perm [.., K] int64 where new row k
+    is old row perm[k], so x[..., perm] multiplies it). None when a group does not hold exactly group_size
+    rows (then no reordering makes the groups plain)."""
+    K, N = qweight.shape[-2] * PACK, qweight.shape[-1]
+    qw, gi = qweight.reshape(-1, K // PACK, N), g_idx.reshape(-1, K).long()
+    perm = torch.argsort(gi, dim=1, stable=True)
+    plain = (torch.arange(K, device=gi.device) // group_size).expand_as(gi)
+    if not torch.equal(torch.gather(gi, 1, perm), plain):
+        return None
+    out = torch.empty_like(qw)
+    for e in range(qw.shape[0]):  # one stack entry at a time: the unpacked copy stays small
+        out[e] = pack_qweight(unpack_qweight(qw[e])[perm[e]])
+    return out.view_as(qweight), perm.view(g_idx.shape)
