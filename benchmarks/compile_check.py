@@ -4,7 +4,7 @@ compiler actually allocates against the architecture's limit, and fails on a com
 
     python benchmarks/compile_check.py                   # all architectures (a few minutes)
     python benchmarks/compile_check.py --archs sm_86 sm_90 --quick
-    python benchmarks/compile_check.py --archs sm_90 --only gemv --as-run   # + PTX instruction/load counts
+    python benchmarks/compile_check.py --archs sm_90 --only gemv --as-run   # + PTX loads, registers, spills
 Run with TRITON_INTERPRET unset (the interpreter replaces the compiler); the script clears it itself.
 """
 
@@ -31,10 +31,13 @@ FLOAT_SCALARS = {"qk_scale", "inv_temp"}
 
 # What the launcher specializes at run time for Clover's shapes (--as-run): an integer argument equal to 1
 # becomes a constant (the innermost stride of a row-major tensor), and pointers and integers that are
-# multiples of 16 are marked so; both decide whether loads can be 16 bytes wide. Named for the INT4 kernels.
+# multiples of 16 are marked so; both decide whether loads can be 16 bytes wide. Named for the INT4 and
+# GDN kernels (Clover: K = V = 128, 32 value heads).
 UNIT_STRIDES = {"s_xk", "s_on", "s_qn", "s_sn", "s_zn", "s_gk"}
 MULTIPLES_OF_16 = {"N", "K", "k_per_split", "group_size", "s_xm", "s_om", "s_os", "s_qe", "s_qk", "s_se", "s_sg",
-                   "s_ze", "s_zg", "s_ge"}
+                   "s_ze", "s_zg", "s_ge",  # W4A16
+                   "V", "HV", "s_qb", "s_qt", "s_qh", "s_vb", "s_vt", "s_vh", "s_gb", "s_gt", "s_sb", "s_sh", "s_sk",
+                   "s_ob", "s_ot", "s_oh"}  # GDN
 
 
 def source(fn, pointers: dict[str, str], consts: dict, as_run: bool = False) -> ASTSource:
@@ -65,6 +68,25 @@ def source(fn, pointers: dict[str, str], consts: dict, as_run: bool = False) -> 
 def compile_one(fn, pointers, consts, cap, num_warps, num_stages, as_run: bool = False):
     return triton.compile(source(fn, pointers, consts, as_run), target=GPUTarget("cuda", cap, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def resource_usage(kernel) -> str:
+    """Registers and stack frame per thread from the cubin (Triton's bundled cuobjdump): a stack means
+    spills to local memory, which a bandwidth-bound kernel cannot afford."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return "registers: no cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return f"{m.group(1)} registers, {m.group(2)} B stack" if m else "registers: unread"
 
 
 def ptx_stats(kernel) -> str:
@@ -112,8 +134,11 @@ def cases(arch: str, quick: bool):
         yield (f"w4a16 gemv{' moe gate/up' if fused else ''}", w4_k._gemv_kernel, int4_pointers("*fp32", act), consts,
                g.num_warps, g.num_stages, g.smem_bytes())
     for write in (False, True):
-        consts = dict(BLOCK_T=64, BLOCK_K=128, BLOCK_V=64, LOG2_T=6, WRITE_STATE=write)
-        yield (f"gdn block{' commit' if write else ' step'}", gdn_k._gdn_kernel, {}, consts, 4, 1, None)
+        t, v = configs.GDN_BLOCK_T, configs.GDN_BLOCK_V
+        consts = dict(BLOCK_T=t, BLOCK_K=128, BLOCK_V=v, LOG2_T=t.bit_length() - 1, WRITE_STATE=write,
+                      DOT_PREC=configs.GDN_DOT_PRECISION)
+        yield (f"gdn block{' commit' if write else ' step'}", gdn_k._gdn_kernel, {}, consts, configs.GDN_NUM_WARPS, 1,
+               None)
     for sample in (False, True):
         yield (f"sampling{' sample' if sample else ''}", samp_k._row_stats_kernel,
                {"logits_ptr": "*bf16", "idx_ptr": "*i64"}, dict(BLOCK_V=4096, SAMPLE=sample), 8, 1, None)
@@ -136,7 +161,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", help="only the cases whose names contain one of these words")
     ap.add_argument("--as-run", action="store_true",
                     help="compile with the launcher's run-time specializations (unit strides, multiples of 16) "
-                         "and print PTX instruction and load counts per kernel")
+                         "and print PTX instruction and load counts, registers and stack per kernel")
     args = ap.parse_args(argv)
     failures = 0
     for arch in args.archs:
@@ -154,7 +179,7 @@ def main(argv=None) -> int:
             over = shared > limit
             failures += over
             note = "" if est is None else f" (table estimate {est})"
-            stats = f"; {ptx_stats(kernel)}" if args.as_run else ""
+            stats = f"; {ptx_stats(kernel)}; {resource_usage(kernel)}" if args.as_run else ""
             print(f"{'OVER' if over else 'ok  '} {arch} {name}: {shared} B shared of {limit}{note}{stats}", flush=True)
     print(f"{failures} failure(s)")
     return 1 if failures else 0

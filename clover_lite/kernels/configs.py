@@ -133,6 +133,20 @@ def autotune_configs(arch: str, m: int) -> list[GemmConfig]:
     return out
 
 
+# ---- Gated DeltaNet block kernel (kernels/gdn.py) ---------------------------------------------------
+# Tokens per chunk, value columns per program, warps, and the precision of its tl.dot products. Compiled
+# as launched for sm_90 (benchmarks/compile_check.py --as-run, which reads registers and stack from the
+# cubin): fp32 "ieee" dots (FMA loops, no tensor cores) at 64 x 64 held 32 registers and spilled an
+# 18.6 KB stack per thread; tf32 tensor-core dots at 16 x 32 use 243 registers and no stack. tf32 rounds
+# the dot operands to 10-bit mantissas: ~5e-4 relative error over 8K tokens, no growth (a test emulates
+# it), an order below the bf16 activations around the kernel. Clover: 32 value heads x 128/32 = 128
+# programs per sequence, about one per SM.
+GDN_BLOCK_T = 16
+GDN_BLOCK_V = 32
+GDN_NUM_WARPS = 4
+GDN_DOT_PRECISION = "tf32"
+
+
 # ---- block attention (kernels/attention.py) -----------------------------------------------------------
 # A denoising step's attention is decode-like (shared DESIGN.md section 7): the rows of a program are the
 # Hq/Hkv query heads of one kv head times the block's L positions (GQA packing, 8 x 32 = 256 rows for

@@ -8,7 +8,8 @@ chunks of BLOCK_T, in the chunked (WY) form of `models.gdn.gated_delta_rule_chun
 The unit lower-triangular inverse uses the nilpotent product (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
 (A is strictly lower triangular, so A^BLOCK_T = 0): log2(BLOCK_T) small matmuls instead of a sequential
 substitution. A step computes the block's outputs and leaves the state alone (`write_state=False`); a
-commit also writes the advanced state.
+commit also writes the advanced state. The products run on tensor cores in tf32 (configs.GDN_*: the fp32
+FMA form spilled heavily), the state stays fp32.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import configs
 from .dispatch import interpreting
 
 
@@ -26,7 +28,7 @@ def _gdn_kernel(
     L, K, V, HV, REP,
     s_qb, s_qt, s_qh, s_vb, s_vt, s_vh, s_gb, s_gt, s_sb, s_sh, s_sk, s_ob, s_ot, s_oh,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, LOG2_T: tl.constexpr,
-    WRITE_STATE: tl.constexpr,
+    WRITE_STATE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_v = tl.program_id(1)
@@ -57,22 +59,22 @@ def _gdn_kernel(
         c_last = tl.sum(gc, axis=0)
         diff = tl.where(lower, c[:, None] - c[None, :], float("-inf"))
         decay = tl.exp(diff)  # exp(c_t - c_s) for s <= t, else 0
-        kk = tl.dot(kc, tl.trans(kc), input_precision="ieee")
+        kk = tl.dot(kc, tl.trans(kc), input_precision=DOT_PREC)
         A = tl.where(strict, bc[:, None] * decay * kk, 0.0)
         inv = eye - A
         apow = A
         for _ in tl.static_range(LOG2_T - 1):
-            apow = tl.dot(apow, apow, input_precision="ieee")
-            inv = tl.dot(inv, eye + apow, input_precision="ieee")
-        ks = tl.dot(kc, S, input_precision="ieee")
+            apow = tl.dot(apow, apow, input_precision=DOT_PREC)
+            inv = tl.dot(inv, eye + apow, input_precision=DOT_PREC)
+        ks = tl.dot(kc, S, input_precision=DOT_PREC)
         rhs = bc[:, None] * (vc - tl.exp(c)[:, None] * ks)
-        d = tl.dot(inv, rhs, input_precision="ieee")
-        qkd = tl.dot(qc, tl.trans(kc), input_precision="ieee") * decay
-        o = tl.exp(c)[:, None] * tl.dot(qc, S, input_precision="ieee") + tl.dot(qkd, d, input_precision="ieee")
+        d = tl.dot(inv, rhs, input_precision=DOT_PREC)
+        qkd = tl.dot(qc, tl.trans(kc), input_precision=DOT_PREC) * decay
+        o = tl.exp(c)[:, None] * tl.dot(qc, S, input_precision=DOT_PREC) + tl.dot(qkd, d, input_precision=DOT_PREC)
         tl.store(o_ptr + b * s_ob + offs_t[:, None] * s_ot + h * s_oh + offs_v[None, :], o,
                  mask=t_ok[:, None] & v_ok[None, :])
         kd = kc * tl.exp(c_last - c)[:, None]
-        S = tl.exp(c_last) * S + tl.dot(tl.trans(kd), d, input_precision="ieee")
+        S = tl.exp(c_last) * S + tl.dot(tl.trans(kd), d, input_precision=DOT_PREC)
     if WRITE_STATE:
         tl.store(s_out_ptr + b * s_sb + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :], S,
                  mask=k_ok[:, None] & v_ok[None, :])
@@ -120,8 +122,8 @@ def gdn_chunked(
     new_state = torch.empty_like(state) if write_state else state  # never written when not asked
     if L == 0:
         return out, (state.clone() if write_state else None)
-    bt = block_t or min(64, _pow2(L))
-    bv = block_v or min(64, _pow2(V))
+    bt = block_t or min(configs.GDN_BLOCK_T, _pow2(L))
+    bv = block_v or min(configs.GDN_BLOCK_V, _pow2(V))
     bk = _pow2(K)
     st = state.contiguous()
     _gdn_kernel[(b * HV, triton.cdiv(V, bv))](
@@ -131,6 +133,6 @@ def gdn_chunked(
         gf.stride(0), gf.stride(1), st.stride(0), st.stride(1), st.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_T=bt, BLOCK_K=bk, BLOCK_V=bv, LOG2_T=bt.bit_length() - 1, WRITE_STATE=write_state,
-        num_warps=4,
+        DOT_PREC=configs.GDN_DOT_PRECISION, num_warps=configs.GDN_NUM_WARPS,
     )
     return out, (new_state if write_state else None)
