@@ -31,13 +31,16 @@ FLOAT_SCALARS = {"qk_scale", "inv_temp"}
 
 # What the launcher specializes at run time for Clover's shapes (--as-run): an integer argument equal to 1
 # becomes a constant (the innermost stride of a row-major tensor), and pointers and integers that are
-# multiples of 16 are marked so; both decide whether loads can be 16 bytes wide. Named for the INT4 and
-# GDN kernels (Clover: K = V = 128, 32 value heads).
-UNIT_STRIDES = {"s_xk", "s_on", "s_qn", "s_sn", "s_zn", "s_gk"}
+# multiples of 16 are marked so; both decide whether loads can be 16 bytes wide. Named for the INT4, GDN
+# and attention kernels (Clover: K = V = 128, 32 value heads, head_dim 256).
+UNIT_STRIDES = {"s_xk", "s_on", "s_qn", "s_sn", "s_zn", "s_gk", "s_qd", "s_kcd", "s_vcd", "s_kbd", "s_vbd", "s_gc",
+                "s_oc"}
 MULTIPLES_OF_16 = {"N", "K", "k_per_split", "group_size", "s_xm", "s_om", "s_os", "s_qe", "s_qk", "s_se", "s_sg",
                    "s_ze", "s_zg", "s_ge",  # W4A16
                    "V", "HV", "s_qb", "s_qt", "s_qh", "s_vb", "s_vt", "s_vh", "s_gb", "s_gt", "s_sb", "s_sh", "s_sk",
-                   "s_ob", "s_ot", "s_oh"}  # GDN
+                   "s_ob", "s_ot", "s_oh",  # GDN
+                   "D", "s_ql", "s_kcb", "s_kch", "s_kcn", "s_vcb", "s_vch", "s_vcn", "s_kbb", "s_kbh",
+                   "s_kbn", "s_vbb", "s_vbh", "s_vbn", "s_gl", "s_ol"}  # attention
 
 
 def source(fn, pointers: dict[str, str], consts: dict, as_run: bool = False) -> ASTSource:
