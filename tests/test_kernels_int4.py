@@ -173,6 +173,19 @@ def test_every_tuning_config_fits_its_architecture():
     assert configs.arch_of((8, 7)) == "sm_80"  # an unknown minor falls back within its major
 
 
+@pytest.mark.parametrize("n,want", [(248320, 1), (8192, 4), (2048, 4), (512, 4)])
+def test_split_k_only_as_far_as_filling_the_gpu(n, want):
+    """At M = 16 on an H200 (132 SMs, sm_90 table: 128-column tiles, split up to 4): the lm_head's 1,940
+    column tiles fill the GPU unsplit (no fp32 partials: half again its weight traffic saved); narrower
+    projections keep the table's split."""
+    cfg = configs.gemm_config("sm_90", 16)
+    tiles = -(-16 // cfg.block_m) * -(-n // cfg.block_n)
+    got = configs.split_to_fill(cfg, tiles, sms=132)
+    assert got.split_k == want and (got.block_m, got.block_n, got.block_k) == (cfg.block_m, cfg.block_n, cfg.block_k)
+    assert configs.split_to_fill(cfg, tiles=200, sms=132).split_k == 2  # 200 programs: one split fills 264
+    assert configs.split_to_fill(configs.GemmConfig(16, 64, 64, 1), tiles=1, sms=132).split_k == 1
+
+
 def test_bad_arguments_fail_before_launch():
     t, _ = random_int4(64, 16, 32)
     x = torch.randn(4, 64)

@@ -120,9 +120,23 @@ def for_gathered_groups(cfg: GemmConfig, arch: str, fused: bool) -> GemmConfig:
     return cfg
 
 
-def autotune_configs(arch: str, m: int) -> list[GemmConfig]:
-    """The table's entry for (arch, M) and its neighbours that still fit: what the autotuner may try."""
-    base = gemm_config(arch, m)
+def split_to_fill(cfg: GemmConfig, tiles: int, sms: int) -> GemmConfig:
+    """Split K only as far as filling the GPU needs (two programs per SM, or the table's split). Each split
+    writes an fp32 partial [M, N] that is read back and summed: 2 * split * M * N * 4 bytes against
+    K * N / 2 of weights, half again the weight traffic at M = 16, K = 2048, split 4. A wide N (the
+    lm_head's 1,940 tiles of 128) fills the GPU with no split at all."""
+    split = 1
+    while split < cfg.split_k and tiles * split < 2 * sms:
+        split *= 2
+    split = min(split, cfg.split_k)
+    return cfg if split == cfg.split_k else GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, split, cfg.num_warps,
+                                                       cfg.num_stages)
+
+
+def autotune_configs(arch: str, m: int, base: GemmConfig | None = None) -> list[GemmConfig]:
+    """The table's entry for (arch, M), or `base`, and its neighbours that still fit: what the autotuner
+    may try (the first is kept if every one fails)."""
+    base = base or gemm_config(arch, m)
     out = [base]
     for bn in (64, 128):
         for sk in (1, 2, 4, 8):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import configs
-from .w4a16 import Int4Weights, gemm, gemm_config_for, gemv
+from .w4a16 import Int4Weights, fill_split, gemm, gemm_config_for, gemv
 
 
 def align_by_expert(sorted_expert: torch.Tensor, num_experts: int, block_m: int):
@@ -90,6 +90,7 @@ def fused_moe(
     else:
         cfg = gemm_config_for(x.device, int(P / max(touched, 1.0)))
         pos, pairs, tile_expert, n_pad = align_by_expert(sorted_e, E, cfg.block_m)
+        cfg = fill_split(cfg, n_pad, x.shape[1], x.device)  # the down projection's split (gate/up: none)
         tiles = dict(tile_expert=tile_expert, n_rows=n_pad, config=cfg)
         if not permuted:
             x_rows = torch.where(pairs >= 0, token_of[pairs.clamp(min=0).long()], -1).to(torch.int32)

@@ -14,6 +14,7 @@ gathered instead, see Int4Weights.perm).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -272,6 +273,19 @@ def gemm_config_for(device: torch.device, m: int) -> configs.GemmConfig:
     return configs.INTERPRET_GEMM if arch is None else configs.gemm_config(arch, m)
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def fill_split(cfg: configs.GemmConfig, m: int, n: int, device: torch.device) -> configs.GemmConfig:
+    """The table's split-K trimmed to what fills this GPU for an [m, n] output (configs.split_to_fill)."""
+    if _arch(device) is None:
+        return cfg
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    return configs.split_to_fill(cfg, tiles, _sm_count(device.index or 0))
+
+
 # (device index, M bucket, N, K, fused, g_idx) -> the fastest config measured on this GPU.
 _TUNED: dict[tuple, configs.GemmConfig] = {}
 
@@ -314,11 +328,11 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
     cfg = config
     arch = _arch(x.device)
     if cfg is None:
-        cfg = gemm_config_for(x.device, M)
+        cfg = fill_split(gemm_config_for(x.device, M), M, w.N, x.device)
         if arch is not None and os.environ.get("CLOVER_AUTOTUNE", "1") == "1":
             bucket = next(b for b in configs.M_BUCKETS if M <= b)
             key = (x.device.index, bucket, w.N, w.K, w2 is not None, w.g_idx is not None, rows is not None)
-            cfg = autotune(key, configs.autotune_configs(arch, M),
+            cfg = autotune(key, configs.autotune_configs(arch, M, base=cfg),
                            lambda c: gemm(x, w, w2, rows, tile_expert, row_scale, n_rows, config=c))
     if arch is not None and w.g_idx is not None:  # gathered scales and zeros: a narrower K tile must fit
         cfg = configs.for_gathered_groups(cfg, arch, fused=w2 is not None)
