@@ -40,7 +40,8 @@ MULTIPLES_OF_16 = {"N", "K", "k_per_split", "group_size", "s_xm", "s_om", "s_os"
                    "V", "HV", "s_qb", "s_qt", "s_qh", "s_vb", "s_vt", "s_vh", "s_gb", "s_gt", "s_sb", "s_sh", "s_sk",
                    "s_ob", "s_ot", "s_oh",  # GDN
                    "D", "s_ql", "s_kcb", "s_kch", "s_kcn", "s_vcb", "s_vch", "s_vcn", "s_kbb", "s_kbh",
-                   "s_kbn", "s_vbb", "s_vbh", "s_vbn", "s_gl", "s_ol"}  # attention
+                   "s_kbn", "s_vbb", "s_vbh", "s_vbn", "s_gl", "s_ol",  # attention
+                   "s_lr"}  # sampling (V as above)
 
 
 def source(fn, pointers: dict[str, str], consts: dict, as_run: bool = False) -> ASTSource:

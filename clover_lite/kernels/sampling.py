@@ -27,8 +27,11 @@ def _row_stats_kernel(
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     offs = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
-    ok = (offs < V) & (offs != banned)
-    x = tl.load(logits_ptr + row * s_lr + offs, mask=ok, other=float("-inf")).to(tl.float32) * inv_temp
+    in_row = offs < V
+    ok = in_row & (offs != banned)
+    # Loaded under the row mask alone (constant over aligned runs, so 16-byte loads), the banned id after.
+    x = tl.load(logits_ptr + row * s_lr + offs, mask=in_row, other=float("-inf")).to(tl.float32) * inv_temp
+    x = tl.where(ok, x, float("-inf"))
     m = tl.max(x, axis=0)
     arg = tl.argmax(x, axis=0)
     second = tl.max(tl.where(tl.arange(0, BLOCK_V) == arg, float("-inf"), x), axis=0)
