@@ -12,6 +12,7 @@ and the date into benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -50,18 +51,17 @@ def check_w4a16(device, gen, smoke) -> str:
     dtypes = [torch.float32] if device.type == "cpu" else [torch.float16, torch.bfloat16]
     worst = 0.0
     for K, N, G in shapes:
-        for m in (1, 3, 16, 33, 64):
-            for dt in dtypes:
-                for act_order, fmt in ((False, "gptq"), (True, "gptq_v2")):
-                    w = _int4(K, N, G, device, gen, act_order=act_order, fmt=fmt)
-                    x = torch.randn(m, K, generator=gen).to(device, dt)
-                    out = torch.full((m, N), float("nan"), device=device, dtype=dt)
-                    w4a16_matmul(x, **w, out=out)
-                    ref = w4a16_matmul_reference(x.float(), **w)
-                    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-                    worst = max(worst, err)
-                    if not err < (1e-4 if dt == torch.float32 else 2e-2):
-                        raise AssertionError(f"w4a16 K={K} N={N} M={m} {dt} act_order={act_order}: rel err {err}")
+        for act_order, fmt in ((False, "gptq"), (True, "gptq_v2")):
+            w = _int4(K, N, G, device, gen, act_order=act_order, fmt=fmt)  # packed on the CPU: once per shape
+            for m, dt in ((m, dt) for m in (1, 3, 16, 33, 64) for dt in dtypes):
+                x = torch.randn(m, K, generator=gen).to(device, dt)
+                out = torch.full((m, N), float("nan"), device=device, dtype=dt)
+                w4a16_matmul(x, **w, out=out)
+                ref = w4a16_matmul_reference(x.float(), **w)
+                err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                worst = max(worst, err)
+                if not err < (1e-4 if dt == torch.float32 else 2e-2):
+                    raise AssertionError(f"w4a16 K={K} N={N} M={m} {dt} act_order={act_order}: rel err {err}")
     return f"max rel err {worst:.1e}"
 
 
@@ -206,6 +206,10 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(int(time.time()))  # fresh inputs every run
     t0 = time.time()
     results = []
+    # The checks run the tuning table's configs as they stand: autotuning (dozens of candidate compiles per
+    # shape) would spend minutes of the device budget without checking anything; the benchmarks autotune.
+    autotune = os.environ.get("CLOVER_AUTOTUNE")
+    os.environ["CLOVER_AUTOTUNE"] = "0"
     for name, fn in CHECKS:
         if args.checks and not any(w in name for w in args.checks):
             continue
@@ -215,6 +219,10 @@ def main(argv=None) -> int:
         except Exception as e:  # report every check, then fail
             traceback.print_exc()
             results.append((name, "FAIL", str(e)[:100], time.time() - t))
+    if autotune is None:
+        os.environ.pop("CLOVER_AUTOTUNE")
+    else:
+        os.environ["CLOVER_AUTOTUNE"] = autotune
     benches = []
     if not args.no_bench:
         out = HERE / "out"
