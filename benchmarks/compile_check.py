@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # must happen before any kernel module is imported
 
@@ -77,11 +81,6 @@ def compile_one(fn, pointers, consts, cap, num_warps, num_stages, as_run: bool =
 def resource_usage(kernel) -> str:
     """Registers and stack frame per thread from the cubin (Triton's bundled cuobjdump): a stack means
     spills to local memory, which a bandwidth-bound kernel cannot afford."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
         return "registers: no cuobjdump"

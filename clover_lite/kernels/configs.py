@@ -11,7 +11,7 @@ Triton's autotuner; under the interpreter a single config is used.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Usable shared memory per thread block, bytes (opt-in maximum).
 SMEM_LIMIT = {
@@ -116,7 +116,7 @@ def for_gathered_groups(cfg: GemmConfig, arch: str, fused: bool) -> GemmConfig:
     """The config for weights with an act-order g_idx: BLOCK_K halved (not below 16, tl.dot's minimum)
     until the per-element scales and zeros fit the architecture's shared memory."""
     while cfg.block_k > 16 and cfg.smem_bytes(gathered=True, fused=fused) > SMEM_LIMIT[arch]:
-        cfg = GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k // 2, cfg.split_k, cfg.num_warps, cfg.num_stages)
+        cfg = replace(cfg, block_k=cfg.block_k // 2)
     return cfg
 
 
@@ -128,9 +128,7 @@ def split_to_fill(cfg: GemmConfig, tiles: int, sms: int) -> GemmConfig:
     split = 1
     while split < cfg.split_k and tiles * split < 2 * sms:
         split *= 2
-    split = min(split, cfg.split_k)
-    return cfg if split == cfg.split_k else GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, split, cfg.num_warps,
-                                                       cfg.num_stages)
+    return replace(cfg, split_k=min(split, cfg.split_k))
 
 
 def autotune_configs(arch: str, m: int, base: GemmConfig | None = None) -> list[GemmConfig]:

@@ -47,9 +47,12 @@ def select(device: torch.device | str, mode: str | None = None) -> str:
 
 
 def apply(model: torch.nn.Module, backend: str) -> None:
-    """Record the backend on every module that has a kernel path (and let it prepare for the kernels)."""
-    for module in model.modules():
-        if hasattr(module, "backend"):
-            module.backend = backend
-            if backend == "triton" and hasattr(module, "prepare"):
+    """Record the backend on every module that has a kernel path and let it prepare for the kernels,
+    children before parents (a parent may combine what its children prepared)."""
+    modules = [m for m in model.modules() if hasattr(m, "backend")]
+    for module in modules:
+        module.backend = backend
+    if backend == "triton":
+        for module in reversed(modules):
+            if hasattr(module, "prepare"):
                 module.prepare()

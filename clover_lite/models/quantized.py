@@ -55,11 +55,7 @@ class QuantLinear(nn.Module):
         t = (self.qweight, self.qzeros, self.scales, self.g_idx)
         if index is not None:
             t = tuple(x[index] for x in t)
-        if index is None and t[0].dim() == 3:
-            w = torch.stack([dequantize(*(x[e] for x in t), checkpoint_format=self.checkpoint_format, dtype=dtype)
-                             for e in range(t[0].shape[0])])
-        else:
-            w = dequantize(*t, checkpoint_format=self.checkpoint_format, dtype=dtype)
+        w = dequantize(*t, checkpoint_format=self.checkpoint_format, dtype=dtype)
         if self.k_perm is not None:  # repacked rows: put each column back at its input position
             perm = self.k_perm if index is None else self.k_perm[index]
             w = torch.empty_like(w).scatter_(-1, perm.unsqueeze(-2).expand_as(w), w)
@@ -160,18 +156,15 @@ class QuantExperts(nn.Module):
     graph_safe = False  # True only inside graph.StaticStep.forward: never the padded path (host-sized buffers)
 
     def prepare(self) -> None:
-        """Prepare the three stacks for the kernels; gate and up see the same inputs, so GPTQ's act-order
-        gives them the same row order: then they share one permutation tensor and the fused gate/up kernel
-        reads one gathered input (fused_moe tells them apart by identity)."""
-        parts = (self.gate_proj, self.up_proj, self.down_proj)
-        if not all(isinstance(p, QuantLinear) for p in parts):
-            return
-        for p in parts:
-            p.prepare()
+        """After the stacks' own prepare (dispatch.apply prepares children first): gate and up see the same
+        inputs, so GPTQ's act-order gives them the same row order; they then share one permutation tensor
+        and the fused gate/up kernel reads one gathered input (fused_moe tells them apart by identity)."""
         gate, up = self.gate_proj, self.up_proj
+        if not (isinstance(gate, QuantLinear) and isinstance(up, QuantLinear)):
+            return
         if gate.k_perm is not None and up.k_perm is not None and torch.equal(gate.k_perm, up.k_perm):
             up.k_perm = gate.k_perm
-            up.prepare()
+            up._int4 = up.int4()
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.backend == "triton" and isinstance(self.gate_proj, QuantLinear):
