@@ -78,18 +78,48 @@ def compile_one(fn, pointers, consts, cap, num_warps, num_stages, as_run: bool =
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def resource_usage(kernel) -> str:
-    """Registers and stack frame per thread from the cubin (Triton's bundled cuobjdump): a stack means
-    spills to local memory, which a bandwidth-bound kernel cannot afford."""
+def cuobjdump(kernel, flag: str) -> str | None:
+    """Triton's bundled cuobjdump run on the kernel's cubin (None when the tool is missing)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
-        return "registers: no cuobjdump"
+        return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True).stdout
+
+
+def resource_usage(kernel) -> str:
+    """Registers and stack frame per thread from the cubin: a stack means spills to local memory, which a
+    bandwidth-bound kernel cannot afford."""
+    out = cuobjdump(kernel, "-res-usage")
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out or "")
     return f"{m.group(1)} registers, {m.group(2)} B stack" if m else "registers: unread"
+
+
+def sass_loop(kernel) -> str:
+    """Machine instructions per thread in the kernel's longest loop (the span of its longest backward
+    branch: the K loop of the INT4 kernels), and how many are type conversions (I2F*, F2F*, F2I*). The CUDA
+    guide gives conversions 16 per clock per SM, an eighth of the FMA rate: one per weight would cap an
+    H200 at about 44% of its bandwidth, which is why the INT4 kernels build their floats with bit tricks."""
+    out = cuobjdump(kernel, "-sass")
+    if out is None:
+        return "SASS: no cuobjdump"
+    ins = []  # (address, opcode, operands)
+    for ln in out.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", ln)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    loop = (0, -1)
+    for addr, op, rest in ins:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target and int(target.group(1), 16) < addr and addr - int(target.group(1), 16) > loop[1] - loop[0]:
+            loop = (int(target.group(1), 16), addr)
+    if loop[1] < 0:
+        return "no loop in the SASS"
+    body = [op for addr, op, _ in ins if loop[0] <= addr <= loop[1]]
+    conv = sum(op.startswith(("I2F", "F2F", "F2I")) for op in body)
+    return f"loop {len(body)} SASS instructions, {conv} conversions"
 
 
 def ptx_stats(kernel) -> str:
@@ -125,16 +155,18 @@ def cases(arch: str, quick: bool):
                 fused = flags["FUSE_GATE_UP"]
                 g = configs.for_gathered_groups(c, arch, fused) if gidx else c  # as the launcher adjusts it
                 consts = dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_GIDX=gidx, DOT_IEEE=False,
-                              **flags)
+                              PLANES=not gidx and g.block_k >= 128, **flags)  # as the launcher sets it
                 out = "*fp32" if g.split_k > 1 and not fused else act
                 yield (f"w4a16 gemm M<={m} {label}{' g_idx' if gidx else ''}", w4_k._gemm_kernel,
                        int4_pointers(act, out), consts, g.num_warps, g.num_stages,
                        g.smem_bytes(gathered=gidx, fused=fused))
     g = configs.GEMV_TABLE[arch]
-    for fused in (False, True):
-        consts = dict(BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_ROWS=fused, HAS_EXPERTS=fused, HAS_GIDX=False,
-                      FUSE_GATE_UP=fused, HAS_ROW_SCALE=not fused)
-        yield (f"w4a16 gemv{' moe gate/up' if fused else ''}", w4_k._gemv_kernel, int4_pointers("*fp32", act), consts,
+    # Dense M = 1 (K split, fp32 partials), the MoE's fused gate/up and its down projection (routing weight).
+    for label, fused, partial in (("", False, True), (" moe gate/up", True, False), (" moe down", False, False)):
+        consts = dict(BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_ROWS=fused, HAS_EXPERTS=bool(label),
+                      HAS_GIDX=False, FUSE_GATE_UP=fused, HAS_ROW_SCALE=bool(label) and not fused, PARTIAL=partial,
+                      EVEN_K=True)
+        yield (f"w4a16 gemv{label}", w4_k._gemv_kernel, int4_pointers(act, "*fp32" if partial else act), consts,
                g.num_warps, g.num_stages, g.smem_bytes())
     for write in (False, True):
         t, v = configs.GDN_BLOCK_T, configs.GDN_BLOCK_V
@@ -164,7 +196,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", help="only the cases whose names contain one of these words")
     ap.add_argument("--as-run", action="store_true",
                     help="compile with the launcher's run-time specializations (unit strides, multiples of 16) "
-                         "and print PTX instruction and load counts, registers and stack per kernel")
+                         "and print PTX instruction and load counts, registers and stack, and the SASS instructions "
+                         "and conversions in the main loop per kernel")
     args = ap.parse_args(argv)
     failures = 0
     for arch in args.archs:
@@ -182,7 +215,7 @@ def main(argv=None) -> int:
             over = shared > limit
             failures += over
             note = "" if est is None else f" (table estimate {est})"
-            stats = f"; {ptx_stats(kernel)}; {resource_usage(kernel)}" if args.as_run else ""
+            stats = f"; {ptx_stats(kernel)}; {resource_usage(kernel)}; {sass_loop(kernel)}" if args.as_run else ""
             print(f"{'OVER' if over else 'ok  '} {arch} {name}: {shared} B shared of {limit}{note}{stats}", flush=True)
     print(f"{failures} failure(s)")
     return 1 if failures else 0

@@ -11,7 +11,8 @@ memory, not the cache; and each is timed twice: "eager", one call between events
 overhead included as an eager step pays them, and "graph", every call of one pass captured in a CUDA graph
 and replayed, the kernel time alone as the captured denoising step pays it. Bandwidth, TFLOP/s and the
 ratio against 16-bit matmul come from graph times; NF4 (bitsandbytes) is timed eagerly only, and its
-ratio is eager against eager.
+ratio is eager against eager. "x tile" (M > 4): the GEMM with its weight tile unpacked to [BK, BN] (an
+int-to-float conversion and a shared-memory store per weight), over the default nibble planes.
 
     python benchmarks/kernels.py                         # on a GPU: full table, JSON and PNG in benchmarks/out
     python benchmarks/kernels.py --smoke                 # tiny shapes; runs anywhere (CPU: Triton interpreter)
@@ -143,7 +144,7 @@ def int4_bytes(K: int, N: int, group: int) -> int:
 
 
 def bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4: bool) -> list[dict]:
-    from clover_lite.kernels.w4a16 import w4a16_matmul
+    from clover_lite.kernels.w4a16 import Int4Weights, gemm, w4a16_matmul
 
     bnb = None
     if with_nf4:
@@ -162,6 +163,11 @@ def bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4: bool) -> l
         for m in ms:
             x = torch.randn(m, K, device=device, dtype=dtype)
             e4, g4 = time_calls([lambda w=w, x=x: w4a16_matmul(x, **w) for w in w4s], device, reps)
+            unpacked = None  # the GEMM's former [BK, BN] weight tile, against its nibble planes (M > 4)
+            if m > 4:
+                ws = [Int4Weights(**w) for w in w4s]
+                e, g = time_calls([lambda w=w, x=x: gemm(x, w, planes=False) for w in ws], device, reps)
+                unpacked = g or e
             e16, g16 = time_calls([lambda w=w, x=x: x @ w.t() for w in w16s], device, reps)
             enf4 = None
             if nf4s is not None:
@@ -179,6 +185,7 @@ def bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4: bool) -> l
                 "16bit_GBps": (K * N * x.element_size() + act) / t16 / 1e9,
                 "int4_TFLOPs": 2 * m * K * N / t4 / 1e12,
                 "speedup_vs_16bit": t16 / t4, "speedup_vs_nf4_eager": (enf4 / e4) if enf4 else None,
+                "unpacked_tile_s": unpacked, "speedup_vs_unpacked_tile": (unpacked / t4) if unpacked else None,
             })
             print_dense_row(rows[-1])
         del w4s, w16s, nf4s
@@ -217,9 +224,10 @@ def bench_moe(ms, device, dtype, group, reps, bw, hidden, inter, experts, top_k)
 
 def print_dense_row(r: dict) -> None:
     nf4 = f"{r['speedup_vs_nf4_eager']:.2f}" if r["speedup_vs_nf4_eager"] else "-"
+    tile = f"{r['speedup_vs_unpacked_tile']:.2f}" if r["speedup_vs_unpacked_tile"] else "-"
     print(f"{r['shape']:>15} {r['M']:>3} {r['int4_s'] * 1e6:>9.1f} {r['int4_eager_s'] * 1e6:>9.1f} "
           f"{r['int4_GBps']:>7.0f} {r['int4_of_copy_bw'] * 100:>5.0f} {r['int4_TFLOPs']:>8.2f} "
-          f"{r['speedup_vs_16bit']:>7.2f} {nf4:>6}", flush=True)
+          f"{r['speedup_vs_16bit']:>7.2f} {nf4:>6} {tile:>6}", flush=True)
 
 
 def print_moe_row(r: dict) -> None:
@@ -273,7 +281,7 @@ def main(argv=None) -> int:
     print(f"{card}: copy bandwidth {bw / 1e9:.0f} GB/s, L2 {l2_bytes(device) / 2**20:.1f} MiB, {dtype}, "
           f"group {group}; us: {'graph' if device.type == 'cuda' else 'eager'} time per call, weights rotated")
     print(f"{'shape':>15} {'M':>3} {'int4 us':>9} {'eager us':>9} {'GB/s':>7} {'%bw':>5} {'TFLOP/s':>8} "
-          f"{'x 16bit':>7} {'x nf4':>6}", flush=True)
+          f"{'x 16bit':>7} {'x nf4':>6} {'x tile':>6}", flush=True)
     dense = bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4=not args.no_nf4 and not smoke)
     print(f"{'MoE M':>6} {'touched':>8} {'us':>9} {'eager us':>9} {'GB/s':>7} {'%bw':>5} {'floor us':>9}")
     moe_kw = dict(hidden=64, inter=32, experts=16, top_k=2) if smoke else dict(hidden=2048, inter=512, experts=256,

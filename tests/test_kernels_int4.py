@@ -5,10 +5,12 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from clover_lite.kernels import configs, dispatch  # noqa: E402
 from clover_lite.kernels.moe import fused_moe  # noqa: E402
-from clover_lite.kernels.w4a16 import Int4Weights, gemm, gemv, w4a16_matmul  # noqa: E402
+from clover_lite.kernels.w4a16 import Int4Weights, _biased_plane16, gemm, gemv, w4a16_matmul  # noqa: E402
 from clover_lite.models.moe import dispatch as moe_reference  # noqa: E402
 from clover_lite.quant.pack import pack_qweight, pack_qzeros  # noqa: E402
 
@@ -73,6 +75,109 @@ def test_gemm_tiles_ragged_k_and_split_k(split_k, act_order):
     x = torch.randn(21, 96, generator=GEN)
     y = gemm(x, Int4Weights(**t), config=cfg)
     torch.testing.assert_close(y.double(), x.double() @ w.t(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("K,group,split", [(256, 128, 1), (200, -1, 1), (384, -1, 2), (512, 256, 3)])
+@pytest.mark.parametrize("variant", ["dense", "experts-fused", "experts-scaled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemm_nibble_planes(K, group, split, variant, dtype):
+    """With BLOCK_K >= 128 and no g_idx the GEMM takes each packed word tile as 8 nibble planes, 8 dots
+    against strided columns of x (fp16: planes of 1024 + q, the bias removed with the zero point): ragged
+    last tile (K = 200 over 128), split-K, a K tile that is half a group (BLOCK_K 128, group 256), MoE
+    tiles with -1 padding rows, fused SiLU(gate) * up and routing weights, against float64."""
+    E = 1 if variant == "dense" else 3
+    t, w = random_int4(K, 40, group, "gptq", sym=False, stack=E)
+    x = torch.randn(6, K, generator=GEN).to(dtype)
+    cfg = configs.GemmConfig(16, 32, 128, split, 4, 1)
+    if E == 1:
+        y = gemm(x, Int4Weights(**t), config=cfg)
+        ref = x.double() @ w[0].t()
+    else:  # two 16-row tiles: experts 2 then 0, each padded with -1
+        rows = torch.full((32,), -1, dtype=torch.int32)
+        rows[:5] = torch.tensor([4, 0, 5, 2, 1])
+        rows[16:19] = torch.tensor([3, 0, 5])
+        tile_expert = torch.tensor([2, 0], dtype=torch.int32)
+        ex = torch.tensor([2] * 16 + [0] * 16)
+        ok = rows >= 0
+        xr = x.double()[rows.long().clamp(min=0)]
+        if variant == "experts-fused":
+            t2, w2 = random_int4(K, 40, group, "gptq", sym=False, stack=E)
+            y = gemm(x, Int4Weights(**t), Int4Weights(**t2), rows=rows, tile_expert=tile_expert, n_rows=32,
+                     config=cfg)
+            g = torch.einsum("pk,pnk->pn", xr, w[ex])
+            ref = torch.nn.functional.silu(g) * torch.einsum("pk,pnk->pn", xr, w2[ex])
+        else:
+            scale = torch.rand(32, generator=GEN)
+            y = gemm(x, Int4Weights(**t), rows=rows, tile_expert=tile_expert, row_scale=scale, n_rows=32,
+                     config=cfg)
+            ref = torch.einsum("pk,pnk->pn", xr, w[ex]) * scale.double()[:, None]
+        y, ref = y[ok], ref[ok]
+    torch.testing.assert_close(y.double(), ref, **tol(dtype))
+
+
+@triton.jit
+def _planes16_kernel(w_ptr, out_ptr, DTYPE: tl.constexpr):
+    offs = tl.arange(0, 64)
+    words = tl.load(w_ptr + offs)
+    for J in tl.static_range(8):
+        tl.store(out_ptr + J * 64 + offs, _biased_plane16(words, J, DTYPE).to(tl.int16, bitcast=True))
+
+
+@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, 128), (torch.float16, 1024)])
+def test_biased_16bit_planes_are_exact(dtype, bias):
+    """The GEMM's 16-bit planes, run through the interpreter and read back as bits, are the floats
+    bias + q for every nibble of random words (bf16 arithmetic is wrong under the interpreter, so the bf16
+    GEMM itself only runs on a GPU: this pins its operand)."""
+    words = torch.randint(-(2**31), 2**31, (64,), generator=GEN, dtype=torch.int64).to(torch.int32)
+    out = torch.empty(8, 64, dtype=torch.int16)
+    _planes16_kernel[(1,)](words, out, DTYPE=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16)
+    q = torch.stack([(words.long() >> (4 * j)) & 15 for j in range(8)])
+    assert torch.equal(out.view(dtype).double(), (q + bias).double())
+
+
+@pytest.mark.parametrize("K,group,split", [(96, 32, 3), (72, -1, 2), (128, 64, 1), (256, 128, 8)])
+@pytest.mark.parametrize("variant", ["dense", "dense-actorder", "experts-fused", "experts-scaled"])
+def test_gemv_nibble_planes_and_split_k(K, group, split, variant):
+    """The GEMV reads each packed word once and takes its 8 nibbles as planes (no int-to-float conversion),
+    over K split into fp32 partials when too few programs would fill the GPU: ragged last tiles (K = 72 over
+    BLOCK_K 32), splits that do not divide the tiles (3 over 3 tiles of 32), act-order, MoE rows with fused
+    SiLU(gate) * up (applied after the partials are summed) and routing weights, against float64."""
+    actorder = variant.endswith("actorder") and group != -1
+    E = 1 if variant.startswith("dense") else 3
+    t, w = random_int4(K, 40, group, "gptq", sym=False, act_order=actorder, stack=E)
+    x = torch.randn(5, K, generator=GEN)
+    cfg = configs.GemvConfig(32, 32, 4, 1, split_k=split)
+    if E == 1:
+        y = gemv(x, Int4Weights(**t), config=cfg)
+        ref = x.double() @ w[0].t()
+    else:
+        rows = torch.tensor([4, 0, 4, 2, 1, 3, 0], dtype=torch.int32)
+        experts = torch.tensor([2, 0, 1, 1, 2, 0, 2], dtype=torch.int32)
+        xr = x.double()[rows.long()]
+        if variant == "experts-fused":
+            t2, w2 = random_int4(K, 40, group, "gptq", sym=True, stack=E)  # one format per layer
+            y = gemv(x, Int4Weights(**t), Int4Weights(**t2), rows=rows, row_expert=experts, n_rows=7, config=cfg)
+            g = torch.einsum("pk,pnk->pn", xr, w[experts.long()])
+            u = torch.einsum("pk,pnk->pn", xr, w2[experts.long()])
+            ref = torch.nn.functional.silu(g) * u
+        else:
+            scale = torch.rand(7, generator=GEN)
+            y = gemv(x, Int4Weights(**t), rows=rows, row_expert=experts, row_scale=scale, n_rows=7, config=cfg)
+            ref = torch.einsum("pk,pnk->pn", xr, w[experts.long()]) * scale.double()[:, None]
+    torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_gemv_split_only_as_far_as_filling_the_gpu():
+    """H200 (132 SMs, 128 x 128 tiles, split up to 16, about 4 programs per SM): a 2048 -> 8192 row (64 column
+    tiles) splits 8 ways; the lm_head (1,940 tiles) none; K = 512 at most into 4 splits of one tile."""
+    cfg = configs.GEMV_TABLE["sm_90"]
+    fill = configs.gemv_split_to_fill
+    assert fill(cfg, programs=64, k=2048, sms=132).split_k == 8
+    assert fill(cfg, programs=4 * 64, k=2048, sms=132).split_k == 2  # M = 4
+    assert fill(cfg, programs=1940, k=2048, sms=132).split_k == 1
+    assert fill(cfg, programs=16, k=512, sms=132).split_k == 4
+    assert fill(cfg, programs=16, k=4096, sms=132).split_k == 16  # the table's cap
+    assert (fill(cfg, programs=1, k=2048, sms=132).block_n, cfg.block_k) == (cfg.block_n, 128)
 
 
 @pytest.mark.parametrize("K,group", [(64, 8), (80, 40), (96, 48), (192, 96), (256, 128)])
@@ -211,6 +316,10 @@ def test_bad_arguments_fail_before_launch():
         gate = Int4Weights(**random_int4(64, 32, 32, stack=2)[0])
         down = Int4Weights(**random_int4(32, 64, 32, stack=2)[0])
         fused_moe(x, torch.ones(4, 1), torch.full((4, 1), 5), gate, gate, down)
+    up_v2 = Int4Weights(**random_int4(64, 32, 32, "gptq_v2", stack=2)[0])
+    for kernel in (gemm, gemv):  # one gate/up pair is read with the gate's format
+        with pytest.raises(ValueError, match="fused gate and up weights must share"):
+            kernel(x, gate, up_v2)
 
 
 def test_dispatch_choice(monkeypatch):

@@ -50,12 +50,14 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Few rows (M <= 4, or MoE experts holding ~1-2 rows each): no tl.dot, one row per program."""
+    """Few rows (M <= 4, or MoE experts holding ~1-2 rows each): no tl.dot, one row per program, K split up
+    to split_k ways when rows x column tiles are too few programs to fill the GPU (gemv_split_to_fill)."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
+    split_k: int = 1
 
     def smem_bytes(self, act_bytes: int = 2) -> int:
         return self.num_stages * (self.block_k * act_bytes + self.block_k * self.block_n // 2)
@@ -84,13 +86,17 @@ GEMM_TABLE: dict[str, dict[int, GemmConfig]] = {
                32: _gemm(32, 64, 64, 2, 4, 3), 64: _gemm(64, 64, 64, 2, 4, 2), 1 << 30: _gemm(64, 128, 32, 1, 8, 2)},
 }
 GEMV_TABLE: dict[str, GemvConfig] = {
-    "sm_80": GemvConfig(64, 128, 4, 2),
-    "sm_86": GemvConfig(64, 128, 4, 2),
-    "sm_89": GemvConfig(64, 128, 4, 2),
-    "sm_90": GemvConfig(128, 128, 4, 3),
-    "sm_100": GemvConfig(128, 128, 4, 3),
-    "sm_120": GemvConfig(64, 128, 4, 2),
+    "sm_80": GemvConfig(64, 128, 4, 2, split_k=16),
+    "sm_86": GemvConfig(64, 128, 4, 2, split_k=16),
+    "sm_89": GemvConfig(64, 128, 4, 2, split_k=16),
+    "sm_90": GemvConfig(128, 128, 4, 3, split_k=16),
+    "sm_100": GemvConfig(128, 128, 4, 3, split_k=16),
+    "sm_120": GemvConfig(64, 128, 4, 2, split_k=16),
 }
+# GEMV programs in flight per SM that the split aims at. Its loads are plain (not cp.async pipelined): a
+# program has one [BK/8, BN] tile of words in flight (8 KB at 128 x 128), and an H200 needs about 25 KB in
+# flight per SM to cover its memory latency at full bandwidth (4.8 TB/s x ~0.7 us / 132 SMs).
+GEMV_PROGRAMS_PER_SM = 4
 # Under TRITON_INTERPRET (CPU tests) the cost grows with the number of programs: few, large tiles.
 INTERPRET_GEMM = GemmConfig(16, 64, 32, 1, 4, 1)
 INTERPRET_GEMV = GemvConfig(64, 32, 4, 1)
@@ -129,6 +135,19 @@ def split_to_fill(cfg: GemmConfig, tiles: int, sms: int) -> GemmConfig:
     while split < cfg.split_k and tiles * split < 2 * sms:
         split *= 2
     return replace(cfg, split_k=min(split, cfg.split_k))
+
+
+def gemv_split_to_fill(cfg: GemvConfig, programs: int, k: int, sms: int) -> GemvConfig:
+    """Split K (powers of two up to the table's split_k, each split at least one BLOCK_K tile) while the
+    launch stays within GEMV_PROGRAMS_PER_SM programs per SM. An M = 1 projection 2048 -> 8192 is 64 column
+    tiles of 128: unsplit it would leave half an H200's SMs idle and the rest with one tile in flight; split
+    8 it runs 512 programs. Partial sums cost 2 * split * rows * N * 4 bytes against K * N / 2 of weights
+    (6% there)."""
+    split = 1
+    while (split < cfg.split_k and 2 * programs * split <= GEMV_PROGRAMS_PER_SM * sms
+           and k >= 2 * split * cfg.block_k):
+        split *= 2
+    return replace(cfg, split_k=split)
 
 
 def autotune_configs(arch: str, m: int, base: GemmConfig | None = None) -> list[GemmConfig]:

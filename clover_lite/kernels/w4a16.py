@@ -4,7 +4,8 @@ Two Triton kernels serve both dense linears and MoE experts (shared DESIGN.md se
 - `_gemm_kernel`: tiles of BLOCK_M rows with tl.dot and fp32 accumulation, split-K for small M. Rows may be
   gathered through an index (MoE: tokens sorted and padded per expert, one expert per tile).
 - `_gemv_kernel`: one row per program, no tl.dot: for M <= 4 and for MoE experts holding ~1-2 rows each,
-  where padding every expert to a 16-row tile would waste most of the work.
+  where padding every expert to a 16-row tile would waste most of the work. It works on the packed words as
+  loaded (nibble planes, no int-to-float conversion) and splits K when too few programs would fill the GPU.
 Both can fuse SiLU(gate) * up (two weight sets, two accumulators) and a per-row scale (routing weight).
 When BLOCK_K stays inside one group (no act-order g_idx) the scale and zero apply once per tile:
 out += s * (x . q - z * sum(x)) (DESIGN section 7); with an act-order g_idx they are gathered per element
@@ -48,23 +49,99 @@ def _group_params(sc_ptr, qz_ptr, e, g, offs_n, mask, s_se, s_sg, s_sn, s_ze, s_
 
 
 @triton.jit
-def _tile_product(x, qw_ptr, sc_ptr, qz_ptr, gi_ptr, e, offs_k, offs_n, k_ok, n_ok, k0, k_end,
+def _first_group(k_start, group_size):
+    """Group of the tile at k_start and where that group ends. Tiles never straddle groups (their rows are a
+    power of two dividing the group size), so the loop steps the group with _next_group instead of dividing
+    (an integer division per tile costs ~20 instructions and, on sm_86, a call)."""
+    g = k_start // group_size
+    return g, (g + 1) * group_size
+
+
+@triton.jit
+def _next_group(g, g_end, k_next, group_size):
+    step = (k_next >= g_end).to(tl.int32)
+    return g + step, g_end + step * group_size
+
+
+@triton.jit
+def _nibble_plane(words, J: tl.constexpr, opaque_zero):
+    """Nibble J of each packed word (row 8i + J of the tile) as an exact fp32 integer 0..15, with no
+    int-to-float conversion (the CUDA guide gives conversions 16 per clock per SM, an eighth of the FMA rate:
+    one per weight would hold an H200 to about 44% of its bandwidth). The masked nibble, at bit 4J, is ORed
+    into the mantissa of 2**(23 - 4J), whose last place is worth 2**-4J, so the float is 2**(23 - 4J) + q
+    and one subtraction leaves q. Nibbles 5-7 are first shifted down 20 bits (the mantissa has 23).
+    `opaque_zero` is a run-time 0 added to the exponent constant: with both constants known, ptxas keeps
+    the masks in registers it re-creates by a MOV per nibble; this way the OR is one LOP3 per nibble."""
+    if J < 5:
+        bits = words & (15 << (4 * J))
+        base: tl.constexpr = 23 - 4 * J
+    else:
+        bits = (words >> 20) & (15 << (4 * (J - 5)))
+        base: tl.constexpr = 23 - 4 * (J - 5)
+    return (bits | (((127 + base) << 23) + opaque_zero)).to(tl.float32, bitcast=True) - (1 << base)
+
+
+@triton.jit
+def _biased_plane16(words, J: tl.constexpr, dtype: tl.constexpr):
+    """Nibble J of each word as the 16-bit float B + q (B = 128 in bf16, 1024 in fp16: the nibble fills the
+    low mantissa bits of B, whose last place is 1), by a shift and one OR, with no conversion."""
+    magic: tl.constexpr = 0x4300 if dtype == tl.bfloat16 else 0x6400
+    nib = words & 15 if J == 0 else (words >> (4 * J)) & 15
+    return (nib | magic).to(tl.int16).to(dtype, bitcast=True)
+
+
+@triton.jit
+def _plane_tile_product(x_ptr, rows, row_ok, s_xm, s_xk, qw_ptr, sc_ptr, qz_ptr, e, offs_n, n_ok, k0, k_end, g,
+                        s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset, opaque_zero,
+                        DOT_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """x[rows] times the weight tile of rows k0.. (one group, BLOCK_K >= 128) as 8 dots over nibble planes:
+    plane J [BK/8, BN] holds rows k0 + 8i + J, in the layout the words were loaded in, against x's columns
+    k0 + 8i + J. Its floats come from bit operations: exact q for fp32 dots (_nibble_plane), B + q for
+    16-bit ones (_biased_plane16), B then removed with the zero point. Expanding the words to [BK, BN]
+    instead stored every dequantized element to shared memory on its own after an int-to-float conversion
+    per weight (sm_90, per thread per tile: 771 instructions, 131 conversions; this way 613 and 1).
+    Padding words (0) become B, against x columns masked to 0."""
+    offs_i = tl.arange(0, BLOCK_K // 8)
+    i_ok = k0 // 8 + offs_i < k_end // 8
+    words = tl.load(qw_ptr + e * s_qe + (k0 // 8 + offs_i)[:, None] * s_qk + offs_n[None, :] * s_qn,
+                    mask=i_ok[:, None] & n_ok[None, :], other=0)
+    x_planes = x_ptr + rows[:, None] * s_xm + (k0 + 8 * offs_i)[None, :] * s_xk
+    x_mask = row_ok[:, None] & i_ok[None, :]
+    xq = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    xs = tl.zeros((BLOCK_M, BLOCK_K // 8), dtype=tl.float32)
+    for J in tl.static_range(8):
+        xj = tl.load(x_planes + J * s_xk, mask=x_mask, other=0.0)
+        if DOT_IEEE:
+            xq = tl.dot(xj, _nibble_plane(words, J, opaque_zero), xq, input_precision="ieee")
+        else:
+            xq = tl.dot(xj, _biased_plane16(words, J, xj.dtype), xq)
+        xs += xj.to(tl.float32)
+    xsum = tl.sum(xs, axis=1)
+    s, z = _group_params(sc_ptr, qz_ptr, e, g, offs_n, n_ok, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
+    if not DOT_IEEE:
+        z += 128.0 if x_ptr.dtype.element_ty == tl.bfloat16 else 1024.0
+    return s[None, :] * (xq - z[None, :] * xsum[:, None])
+
+
+@triton.jit
+def _tile_product(x, qw_ptr, sc_ptr, qz_ptr, gi_ptr, e, offs_k, offs_n, k_ok, n_ok, k0, k_end, g,
                   s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
-                  group_size, zero_offset, HAS_GIDX: tl.constexpr, DOT_IEEE: tl.constexpr,
+                  zero_offset, HAS_GIDX: tl.constexpr, DOT_IEEE: tl.constexpr,
                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """x [BM, BK] (masked, in the dot dtype) times the dequantized weight tile [BK, BN] -> fp32 [BM, BN]."""
+    """x [BM, BK] (masked, in the dot dtype) times the dequantized weight tile [BK, BN] -> fp32 [BM, BN];
+    g: the tile's group when there is no g_idx."""
     mask = k_ok[:, None] & n_ok[None, :]
     q = _load_int4(qw_ptr, e, k0, k_end, offs_n, n_ok, s_qe, s_qk, s_qn, BLOCK_K, BLOCK_N)
     if HAS_GIDX:
-        g = tl.load(gi_ptr + e * s_ge + offs_k * s_gk, mask=k_ok, other=0)
-        s, z = _group_params(sc_ptr, qz_ptr, e, g[:, None], offs_n[None, :], mask,
+        gk = tl.load(gi_ptr + e * s_ge + offs_k * s_gk, mask=k_ok, other=0)
+        s, z = _group_params(sc_ptr, qz_ptr, e, gk[:, None], offs_n[None, :], mask,
                              s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
         w = ((q.to(tl.float32) - z) * s).to(x.dtype)
         if DOT_IEEE:
             return tl.dot(x, w, input_precision="ieee")
         return tl.dot(x, w)
     # The whole tile is in one group: the integers go into the dot as they are (exact in 16 bits).
-    g = k0 // group_size
     s, z = _group_params(sc_ptr, qz_ptr, e, g, offs_n, n_ok, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
     if DOT_IEEE:
         xq = tl.dot(x, q.to(x.dtype), input_precision="ieee")
@@ -83,7 +160,7 @@ def _gemm_kernel(
     s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_ROWS: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_GIDX: tl.constexpr, FUSE_GATE_UP: tl.constexpr,
-    HAS_ROW_SCALE: tl.constexpr, DOT_IEEE: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr, DOT_IEEE: tl.constexpr, PLANES: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -105,18 +182,30 @@ def _gemm_kernel(
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    opaque_zero = K >> 31  # see _nibble_plane
+    g, g_end = _first_group(k_start, group_size)
     for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < k_end
-        x = tl.load(x_ptr + rows[:, None] * s_xm + offs_k[None, :] * s_xk,
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += _tile_product(x, qw_ptr, sc_ptr, qz_ptr, gi_ptr, e, offs_k, offs_n, k_ok, n_ok, k0, k_end,
-                             s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
-                             group_size, zero_offset, HAS_GIDX, DOT_IEEE, BLOCK_K, BLOCK_N)
-        if FUSE_GATE_UP:
-            acc2 += _tile_product(x, qw2_ptr, sc2_ptr, qz2_ptr, gi2_ptr, e, offs_k, offs_n, k_ok, n_ok, k0, k_end,
-                                  s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
-                                  group_size, zero_offset, HAS_GIDX, DOT_IEEE, BLOCK_K, BLOCK_N)
+        if PLANES:
+            acc += _plane_tile_product(x_ptr, rows, row_ok, s_xm, s_xk, qw_ptr, sc_ptr, qz_ptr, e, offs_n, n_ok, k0,
+                                       k_end, g, s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn,
+                                       zero_offset, opaque_zero, DOT_IEEE, BLOCK_M, BLOCK_K, BLOCK_N)
+            if FUSE_GATE_UP:
+                acc2 += _plane_tile_product(x_ptr, rows, row_ok, s_xm, s_xk, qw2_ptr, sc2_ptr, qz2_ptr, e, offs_n,
+                                            n_ok, k0, k_end, g, s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg,
+                                            s_zn, zero_offset, opaque_zero, DOT_IEEE, BLOCK_M, BLOCK_K, BLOCK_N)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_end
+            x = tl.load(x_ptr + rows[:, None] * s_xm + offs_k[None, :] * s_xk,
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += _tile_product(x, qw_ptr, sc_ptr, qz_ptr, gi_ptr, e, offs_k, offs_n, k_ok, n_ok, k0, k_end, g,
+                                 s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
+                                 zero_offset, HAS_GIDX, DOT_IEEE, BLOCK_K, BLOCK_N)
+            if FUSE_GATE_UP:
+                acc2 += _tile_product(x, qw2_ptr, sc2_ptr, qz2_ptr, gi2_ptr, e, offs_k, offs_n, k_ok, n_ok, k0, k_end,
+                                      g, s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
+                                      zero_offset, HAS_GIDX, DOT_IEEE, BLOCK_K, BLOCK_N)
+        g, g_end = _next_group(g, g_end, k0 + BLOCK_K, group_size)
     if FUSE_GATE_UP:
         acc = acc / (1.0 + tl.exp(-acc)) * acc2  # silu(gate) * up
     if HAS_ROW_SCALE:
@@ -126,37 +215,24 @@ def _gemm_kernel(
 
 
 @triton.jit
-def _row_tile_product(x, xsum, qw_ptr, sc_ptr, qz_ptr, gi_ptr, e, offs_k, offs_n, k_ok, n_ok, k0, k_end,
-                      s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
-                      group_size, zero_offset, HAS_GIDX: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
-    """One row x [BK] (fp32, masked; xsum its sum) times the dequantized weight tile [BK, BN] -> fp32 [BN].
-    Without g_idx the tile lies in one group: one scale and zero per column, not one per element, so the
-    loop streams the packed weights instead of gathering BK x BN scales and zeros."""
-    q = _load_int4(qw_ptr, e, k0, k_end, offs_n, n_ok, s_qe, s_qk, s_qn, BLOCK_K, BLOCK_N)
-    if HAS_GIDX:
-        g = tl.load(gi_ptr + e * s_ge + offs_k * s_gk, mask=k_ok, other=0)
-        s, z = _group_params(sc_ptr, qz_ptr, e, g[:, None], offs_n[None, :], k_ok[:, None] & n_ok[None, :],
-                             s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
-        return tl.sum(x[:, None] * ((q.to(tl.float32) - z) * s), axis=0)
-    s, z = _group_params(sc_ptr, qz_ptr, e, k0 // group_size, offs_n, n_ok, s_se, s_sg, s_sn, s_ze, s_zg, s_zn,
-                         zero_offset)
-    return s * (tl.sum(x[:, None] * q.to(tl.float32), axis=0) - z * xsum)
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, rows_ptr, row_expert_ptr, out_ptr, row_scale_ptr,
     qw_ptr, sc_ptr, qz_ptr, gi_ptr, qw2_ptr, sc2_ptr, qz2_ptr, gi2_ptr,
-    N, K, group_size, zero_offset,
-    s_xm, s_xk, s_om, s_on,
+    N, K, k_per_split, group_size, zero_offset,
+    s_xm, s_xk, s_os, s_om, s_on,
     s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_ROWS: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_GIDX: tl.constexpr, FUSE_GATE_UP: tl.constexpr,
-    HAS_ROW_SCALE: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
 ):
+    """One row times one column tile over one K split. The tile's packed words [BK/8, BN] are used as they
+    were loaded: row 8i + J of the tile is nibble J of word row i, so x is read as 8 strided planes and the
+    products accumulate elementwise in [BK/8, BN], reduced across rows once at the end. Without g_idx the
+    tile lies in one group: acc += s * (sum_J x_J q_J - z * sum_J x_J), one scale and zero per column.
+    PARTIAL (split K): fp32 sums, gate and up side by side when fused, SiLU and the sum over splits after."""
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     row = p
     if HAS_ROWS:
         row = tl.load(rows_ptr + p)
@@ -165,25 +241,70 @@ def _gemv_kernel(
         e = tl.load(row_expert_ptr + p)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = tl.load(x_ptr + row * s_xm + offs_k * s_xk, mask=k_ok, other=0.0).to(tl.float32)
-        xsum = tl.sum(x, axis=0)
-        acc += _row_tile_product(x, xsum, qw_ptr, sc_ptr, qz_ptr, gi_ptr, e, offs_k, offs_n, k_ok, n_ok, k0, K,
-                                 s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
-                                 group_size, zero_offset, HAS_GIDX, BLOCK_K, BLOCK_N)
+    offs_i = tl.arange(0, BLOCK_K // 8)
+    acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    x_row = x_ptr + row * s_xm
+    opaque_zero = K >> 31  # 0 (K > 0) that the compiler cannot fold: see _nibble_plane
+    g, g_end = _first_group(k_start, group_size)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        i_ok = k0 // 8 + offs_i < k_end // 8
+        w_mask = n_ok[None, :] if EVEN_K else i_ok[:, None] & n_ok[None, :]  # EVEN_K: every tile is whole
+        w_offs = (k0 // 8 + offs_i)[:, None] * s_qk + offs_n[None, :] * s_qn
+        words = tl.load(qw_ptr + e * s_qe + w_offs, mask=w_mask, other=0)
+        words2 = words
         if FUSE_GATE_UP:
-            acc2 += _row_tile_product(x, xsum, qw2_ptr, sc2_ptr, qz2_ptr, gi2_ptr, e, offs_k, offs_n, k_ok, n_ok,
-                                      k0, K, s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
-                                      group_size, zero_offset, HAS_GIDX, BLOCK_K, BLOCK_N)
+            words2 = tl.load(qw2_ptr + e * s_qe + w_offs, mask=w_mask, other=0)
+        t = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+        t2 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+        xr = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+        x_planes = x_row + (k0 + 8 * offs_i) * s_xk  # one address per word row; plane J at a constant offset
+        for J in tl.static_range(8):
+            if EVEN_K:
+                xj = tl.load(x_planes + J * s_xk).to(tl.float32)
+            else:
+                xj = tl.load(x_planes + J * s_xk, mask=i_ok, other=0.0).to(tl.float32)
+            if HAS_GIDX:  # scales and zeros per element
+                offs_k = k0 + 8 * offs_i + J
+                gk = tl.load(gi_ptr + e * s_ge + offs_k * s_gk, mask=i_ok, other=0)
+                s, z = _group_params(sc_ptr, qz_ptr, e, gk[:, None], offs_n[None, :], w_mask,
+                                     s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
+                t += xj[:, None] * ((_nibble_plane(words, J, opaque_zero) - z) * s)
+                if FUSE_GATE_UP:
+                    g2 = tl.load(gi2_ptr + e * s_ge + offs_k * s_gk, mask=i_ok, other=0)
+                    s2, z2 = _group_params(sc2_ptr, qz2_ptr, e, g2[:, None], offs_n[None, :], w_mask,
+                                           s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
+                    t2 += xj[:, None] * ((_nibble_plane(words2, J, opaque_zero) - z2) * s2)
+            else:
+                xr += xj
+                t += xj[:, None] * _nibble_plane(words, J, opaque_zero)
+                if FUSE_GATE_UP:
+                    t2 += xj[:, None] * _nibble_plane(words2, J, opaque_zero)
+        if HAS_GIDX:
+            acc += t
+            acc2 += t2
+        else:
+            s, z = _group_params(sc_ptr, qz_ptr, e, g, offs_n, n_ok, s_se, s_sg, s_sn, s_ze, s_zg, s_zn,
+                                 zero_offset)
+            acc += s[None, :] * (t - z[None, :] * xr[:, None])
+            if FUSE_GATE_UP:
+                s2, z2 = _group_params(sc2_ptr, qz2_ptr, e, g, offs_n, n_ok, s_se, s_sg, s_sn, s_ze, s_zg, s_zn,
+                                       zero_offset)
+                acc2 += s2[None, :] * (t2 - z2[None, :] * xr[:, None])
+        g, g_end = _next_group(g, g_end, k0 + BLOCK_K, group_size)
+    res = tl.sum(acc, axis=0)
+    out = out_ptr + pid_k * s_os + p * s_om + offs_n * s_on
     if FUSE_GATE_UP:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc2
+        res2 = tl.sum(acc2, axis=0)
+        if PARTIAL:
+            tl.store(out + N * s_on, res2, mask=n_ok)
+        else:
+            res = res / (1.0 + tl.exp(-res)) * res2
     if HAS_ROW_SCALE:
-        acc = acc * tl.load(row_scale_ptr + p).to(tl.float32)
-    tl.store(out_ptr + p * s_om + offs_n * s_on, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+        res = res * tl.load(row_scale_ptr + p).to(tl.float32)
+    tl.store(out, res.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 # ---- launchers ---------------------------------------------------------------------------------------
@@ -262,6 +383,18 @@ def _check_x(x: torch.Tensor, w: Int4Weights) -> None:
         raise ValueError("the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tests)")
 
 
+def _check_pair(w: Int4Weights, w2: Int4Weights | None) -> None:
+    """Fused gate/up: the kernel reads both weight sets with w's sizes, strides, group size and zero offset."""
+    if w2 is None:
+        return
+    mine = (w.E, w.K, w.N, w.group_size, w.zero_offset, w.g_idx is None, w.strides())
+    theirs = (w2.E, w2.K, w2.N, w2.group_size, w2.zero_offset, w2.g_idx is None, w2.strides())
+    if mine != theirs:
+        raise ValueError("fused gate and up weights must share experts, K, N, group size, checkpoint format, "
+                         f"act-order and memory layout; got (E, K, N, group, zero offset, no g_idx, strides) {mine} "
+                         f"and {theirs}: quantize both projections with the same settings")
+
+
 def _arch(device: torch.device) -> str | None:
     if device.type != "cuda" or interpreting():
         return None
@@ -319,9 +452,12 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: torch.Tensor | None = None,
          tile_expert: torch.Tensor | None = None, row_scale: torch.Tensor | None = None, n_rows: int | None = None,
-         config: configs.GemmConfig | None = None) -> torch.Tensor:
-    """out [n_rows, N] = x[rows] @ W_e (per tile expert), optionally silu(x W) * (x W2) and * row_scale."""
+         config: configs.GemmConfig | None = None, planes: bool | None = None) -> torch.Tensor:
+    """out [n_rows, N] = x[rows] @ W_e (per tile expert), optionally silu(x W) * (x W2) and * row_scale.
+    `planes`: dot the packed words as 8 nibble planes (default wherever possible: no g_idx, K tile >= 128);
+    False keeps the unpacked [BK, BN] tile, which benchmarks/kernels.py times side by side."""
     _check_x(x, w)
+    _check_pair(w, w2)
     cdt = _compute_dtype(x)
     xc = x.to(cdt)
     M = n_rows if n_rows is not None else x.shape[0]
@@ -331,9 +467,9 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         cfg = fill_split(gemm_config_for(x.device, M), M, w.N, x.device)
         if arch is not None and os.environ.get("CLOVER_AUTOTUNE", "1") == "1":
             bucket = next(b for b in configs.M_BUCKETS if M <= b)
-            key = (x.device.index, bucket, w.N, w.K, w2 is not None, w.g_idx is not None, rows is not None)
+            key = (x.device.index, bucket, w.N, w.K, w2 is not None, w.g_idx is not None, rows is not None, planes)
             cfg = autotune(key, configs.autotune_configs(arch, M, base=cfg),
-                           lambda c: gemm(x, w, w2, rows, tile_expert, row_scale, n_rows, config=c))
+                           lambda c: gemm(x, w, w2, rows, tile_expert, row_scale, n_rows, config=c, planes=planes))
     if arch is not None and w.g_idx is not None:  # gathered scales and zeros: a narrower K tile must fit
         cfg = configs.for_gathered_groups(cfg, arch, fused=w2 is not None)
     bk = _block_k(cfg.block_k, w)
@@ -354,6 +490,7 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
         HAS_ROWS=rows is not None, HAS_EXPERTS=tile_expert is not None, HAS_GIDX=w.g_idx is not None,
         FUSE_GATE_UP=w2 is not None, HAS_ROW_SCALE=row_scale is not None, DOT_IEEE=cdt == torch.float32,
+        PLANES=w.g_idx is None and bk >= 128 and planes is not False,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out[0] if split == 1 else out.sum(0)).to(x.dtype)
@@ -364,29 +501,43 @@ def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
          n_rows: int | None = None, config: configs.GemvConfig | None = None) -> torch.Tensor:
     """out [n_rows, N]: row p = x[rows[p]] @ W_{row_expert[p]}, optionally fused gate/up and row scale."""
     _check_x(x, w)
+    _check_pair(w, w2)
     cdt = _compute_dtype(x)
     xc = x.to(cdt)
     P = n_rows if n_rows is not None else x.shape[0]
     arch = _arch(x.device)
     cfg = config or (configs.INTERPRET_GEMV if arch is None else configs.GEMV_TABLE[arch])
-    out = torch.empty(P, w.N, device=x.device, dtype=cdt)
+    if config is None and arch is not None:
+        programs = P * triton.cdiv(w.N, cfg.block_n)
+        cfg = configs.gemv_split_to_fill(cfg, programs, w.K, _sm_count(x.device.index or 0))
     if P == 0:
-        return out.to(x.dtype)
-    w2a = w2.args() if w2 is not None else w.args()
+        return torch.empty(0, w.N, device=x.device, dtype=x.dtype)
+    bk = _block_k(cfg.block_k, w)
+    k_per = triton.cdiv(triton.cdiv(w.K, max(1, cfg.split_k)), bk) * bk
+    split = triton.cdiv(w.K, k_per)
+    fused = w2 is not None
+    width = 2 * w.N if fused and split > 1 else w.N
+    out = torch.empty(split, P, width, device=x.device, dtype=torch.float32 if split > 1 else cdt)
+    w2a = w2.args() if fused else w.args()
     dummy = out
-    _gemv_kernel[(P, triton.cdiv(w.N, cfg.block_n))](
+    _gemv_kernel[(P, triton.cdiv(w.N, cfg.block_n), split)](
         xc, rows if rows is not None else dummy, row_expert if row_expert is not None else dummy, out,
         row_scale if row_scale is not None else dummy,
         *w.args(), *w2a,
-        w.N, w.K, w.group_size, w.zero_offset,
-        xc.stride(0), xc.stride(1), out.stride(0), out.stride(1),
+        w.N, w.K, k_per, w.group_size, w.zero_offset,
+        xc.stride(0), xc.stride(1), out.stride(0), out.stride(1), out.stride(2),
         *w.strides(),
-        BLOCK_N=cfg.block_n, BLOCK_K=_block_k(cfg.block_k, w),
+        BLOCK_N=cfg.block_n, BLOCK_K=bk,
         HAS_ROWS=rows is not None, HAS_EXPERTS=row_expert is not None, HAS_GIDX=w.g_idx is not None,
-        FUSE_GATE_UP=w2 is not None, HAS_ROW_SCALE=row_scale is not None,
+        FUSE_GATE_UP=fused, HAS_ROW_SCALE=row_scale is not None, PARTIAL=split > 1, EVEN_K=w.K % bk == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out.to(x.dtype)
+    if split == 1:
+        return out[0].to(x.dtype)
+    y = out.sum(0)
+    if fused:  # SiLU is not linear: applied once the splits are summed
+        y = torch.nn.functional.silu(y[:, : w.N]) * y[:, w.N:]
+    return y.to(x.dtype)
 
 
 def w4a16_matmul(
