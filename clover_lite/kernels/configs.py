@@ -69,21 +69,26 @@ def _gemm(bm: int, bn: int, bk: int, sk: int, w: int, st: int) -> GemmConfig:
 
 # (arch, M bucket) -> GEMM config. Small M: narrow N tiles and split-K so that even a 2048 x 512 expert
 # projection launches a few hundred programs; large M: wider tiles, fewer splits. GeForce parts (sm_86,
-# sm_89, sm_120) have ~100 KB of shared memory, hence fewer stages.
+# sm_89, sm_120) have ~100 KB of shared memory, hence fewer stages. BLOCK_K 128 (up to M = 32 on GeForce,
+# M = 64 on sm_90/100) takes the nibble-plane path (w4a16._plane_tile_product): at M <= 32 on sm_86,
+# BLOCK_K 64 compiled to 13.4 instructions and 1.6 int-to-float conversions per weight, more than a 3090
+# issues at its bandwidth; 128 with planes, 8.7 and none; sm_90 at M <= 64: 15.3 -> 11.7. At M <= 64 planes
+# cost sm_86 18% more (benchmarks/RESULTS.md, 2026-12-03).
 GEMM_TABLE: dict[str, dict[int, GemmConfig]] = {
     "sm_80": {1: _gemm(16, 64, 128, 4, 4, 3), 4: _gemm(16, 64, 128, 4, 4, 3), 16: _gemm(16, 64, 128, 4, 4, 3),
               32: _gemm(32, 64, 128, 2, 4, 3), 64: _gemm(64, 64, 64, 2, 4, 3), 1 << 30: _gemm(64, 128, 64, 1, 8, 3)},
     "sm_86": {1: _gemm(16, 64, 128, 4, 4, 2), 4: _gemm(16, 64, 128, 4, 4, 2), 16: _gemm(16, 64, 128, 4, 4, 2),
-              32: _gemm(32, 64, 64, 2, 4, 3), 64: _gemm(64, 64, 64, 2, 4, 2), 1 << 30: _gemm(64, 128, 32, 1, 8, 2)},
+              32: _gemm(32, 64, 128, 2, 4, 3), 64: _gemm(64, 64, 64, 2, 4, 2), 1 << 30: _gemm(64, 128, 32, 1, 8, 2)},
     "sm_89": {1: _gemm(16, 64, 128, 4, 4, 2), 4: _gemm(16, 64, 128, 4, 4, 2), 16: _gemm(16, 64, 128, 4, 4, 2),
-              32: _gemm(32, 64, 64, 2, 4, 3), 64: _gemm(64, 64, 64, 2, 4, 2), 1 << 30: _gemm(64, 128, 32, 1, 8, 2)},
+              32: _gemm(32, 64, 128, 2, 4, 3), 64: _gemm(64, 64, 64, 2, 4, 2), 1 << 30: _gemm(64, 128, 32, 1, 8, 2)},
     "sm_90": {1: _gemm(16, 128, 128, 4, 4, 4), 4: _gemm(16, 128, 128, 4, 4, 4), 16: _gemm(16, 128, 128, 4, 4, 4),
-              32: _gemm(32, 128, 128, 2, 4, 3), 64: _gemm(64, 128, 64, 2, 8, 3), 1 << 30: _gemm(128, 128, 64, 1, 8, 3)},
+              32: _gemm(32, 128, 128, 2, 4, 3), 64: _gemm(64, 128, 128, 2, 8, 3),
+              1 << 30: _gemm(128, 128, 64, 1, 8, 3)},
     "sm_100": {1: _gemm(16, 128, 128, 4, 4, 4), 4: _gemm(16, 128, 128, 4, 4, 4), 16: _gemm(16, 128, 128, 4, 4, 4),
-               32: _gemm(32, 128, 128, 2, 4, 3), 64: _gemm(64, 128, 64, 2, 8, 3),
+               32: _gemm(32, 128, 128, 2, 4, 3), 64: _gemm(64, 128, 128, 2, 8, 3),
                1 << 30: _gemm(128, 128, 64, 1, 8, 3)},
     "sm_120": {1: _gemm(16, 64, 128, 4, 4, 2), 4: _gemm(16, 64, 128, 4, 4, 2), 16: _gemm(16, 64, 128, 4, 4, 2),
-               32: _gemm(32, 64, 64, 2, 4, 3), 64: _gemm(64, 64, 64, 2, 4, 2), 1 << 30: _gemm(64, 128, 32, 1, 8, 2)},
+               32: _gemm(32, 64, 128, 2, 4, 3), 64: _gemm(64, 64, 64, 2, 4, 2), 1 << 30: _gemm(64, 128, 32, 1, 8, 2)},
 }
 GEMV_TABLE: dict[str, GemvConfig] = {
     "sm_80": GemvConfig(64, 128, 4, 2, split_k=16),
@@ -99,7 +104,7 @@ GEMV_TABLE: dict[str, GemvConfig] = {
 GEMV_PROGRAMS_PER_SM = 4
 # Under TRITON_INTERPRET (CPU tests) the cost grows with the number of programs: few, large tiles.
 INTERPRET_GEMM = GemmConfig(16, 64, 32, 1, 4, 1)
-INTERPRET_GEMV = GemvConfig(64, 32, 4, 1)
+INTERPRET_GEMV = GemvConfig(128, 64, 4, 1)
 # Rows per expert below which the MoE takes the GEMV path instead of padding experts to BLOCK_M rows.
 MOE_GEMV_MAX_ROWS_PER_EXPERT = 4
 

@@ -91,36 +91,44 @@ def _biased_plane16(words, J: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def _plane_tile_product(x_ptr, rows, row_ok, s_xm, s_xk, qw_ptr, sc_ptr, qz_ptr, e, offs_n, n_ok, k0, k_end, g,
+def _split_planes(x):
+    """x [..., 8] -> its 8 columns, in order (tl.split halves a last dim of 2: three times over)."""
+    c0, c1 = tl.split(tl.reshape(x, x.shape[:-1] + (2, 2, 2)))
+    b00, b01 = tl.split(c0)
+    b10, b11 = tl.split(c1)
+    p0, p4 = tl.split(b00)
+    p2, p6 = tl.split(b01)
+    p1, p5 = tl.split(b10)
+    p3, p7 = tl.split(b11)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def _plane_tile_product(xplanes, xsum, qw_ptr, sc_ptr, qz_ptr, e, offs_n, n_ok, k0, k_end, g,
                         s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset, opaque_zero,
-                        DOT_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
-    """x[rows] times the weight tile of rows k0.. (one group, BLOCK_K >= 128) as 8 dots over nibble planes:
-    plane J [BK/8, BN] holds rows k0 + 8i + J, in the layout the words were loaded in, against x's columns
-    k0 + 8i + J. Its floats come from bit operations: exact q for fp32 dots (_nibble_plane), B + q for
-    16-bit ones (_biased_plane16), B then removed with the zero point. Expanding the words to [BK, BN]
-    instead stored every dequantized element to shared memory on its own after an int-to-float conversion
-    per weight (sm_90, per thread per tile: 771 instructions, 131 conversions; this way 613 and 1).
-    Padding words (0) become B, against x columns masked to 0."""
+                        DOT_IEEE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x times the weight tile of rows k0.. (one group, BLOCK_K >= 128) as 8 dots over nibble planes: plane
+    J [BK/8, BN] holds rows k0 + 8i + J, in the layout the words were loaded in, against x's columns
+    k0 + 8i + J (xplanes, from _split_planes; xsum: x's row sums in fp32). Its floats come from bit
+    operations: exact q for fp32 dots (_nibble_plane), B + q for 16-bit ones (_biased_plane16), B then
+    removed with the zero point; padding words (0) become B, against x columns masked to 0. Expanding the
+    words to [BK, BN] instead stored every dequantized element to shared memory on its own after an
+    int-to-float conversion per weight (sm_90, per thread per tile: 771 instructions, 131 conversions;
+    this way 571 and 1)."""
     offs_i = tl.arange(0, BLOCK_K // 8)
     i_ok = k0 // 8 + offs_i < k_end // 8
     words = tl.load(qw_ptr + e * s_qe + (k0 // 8 + offs_i)[:, None] * s_qk + offs_n[None, :] * s_qn,
                     mask=i_ok[:, None] & n_ok[None, :], other=0)
-    x_planes = x_ptr + rows[:, None] * s_xm + (k0 + 8 * offs_i)[None, :] * s_xk
-    x_mask = row_ok[:, None] & i_ok[None, :]
-    xq = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    xs = tl.zeros((BLOCK_M, BLOCK_K // 8), dtype=tl.float32)
+    dtype: tl.constexpr = xplanes[0].dtype
+    xq = tl.zeros((xsum.shape[0], offs_n.shape[0]), dtype=tl.float32)
     for J in tl.static_range(8):
-        xj = tl.load(x_planes + J * s_xk, mask=x_mask, other=0.0)
         if DOT_IEEE:
-            xq = tl.dot(xj, _nibble_plane(words, J, opaque_zero), xq, input_precision="ieee")
+            xq = tl.dot(xplanes[J], _nibble_plane(words, J, opaque_zero), xq, input_precision="ieee")
         else:
-            xq = tl.dot(xj, _biased_plane16(words, J, xj.dtype), xq)
-        xs += xj.to(tl.float32)
-    xsum = tl.sum(xs, axis=1)
+            xq = tl.dot(xplanes[J], _biased_plane16(words, J, dtype), xq)
     s, z = _group_params(sc_ptr, qz_ptr, e, g, offs_n, n_ok, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
     if not DOT_IEEE:
-        z += 128.0 if x_ptr.dtype.element_ty == tl.bfloat16 else 1024.0
+        z += 128.0 if dtype == tl.bfloat16 else 1024.0
     return s[None, :] * (xq - z[None, :] * xsum[:, None])
 
 
@@ -185,19 +193,21 @@ def _gemm_kernel(
     opaque_zero = K >> 31  # see _nibble_plane
     g, g_end = _first_group(k_start, group_size)
     for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_end
+        x = tl.load(x_ptr + rows[:, None] * s_xm + offs_k[None, :] * s_xk,
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if PLANES:
-            acc += _plane_tile_product(x_ptr, rows, row_ok, s_xm, s_xk, qw_ptr, sc_ptr, qz_ptr, e, offs_n, n_ok, k0,
-                                       k_end, g, s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn,
-                                       zero_offset, opaque_zero, DOT_IEEE, BLOCK_M, BLOCK_K, BLOCK_N)
+            xplanes = _split_planes(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 8)))  # plane J: columns k0 + 8i + J
+            xsum = tl.sum(x.to(tl.float32), axis=1)
+            acc += _plane_tile_product(xplanes, xsum, qw_ptr, sc_ptr, qz_ptr, e, offs_n, n_ok, k0, k_end, g,
+                                       s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset,
+                                       opaque_zero, DOT_IEEE, BLOCK_K)
             if FUSE_GATE_UP:
-                acc2 += _plane_tile_product(x_ptr, rows, row_ok, s_xm, s_xk, qw2_ptr, sc2_ptr, qz2_ptr, e, offs_n,
-                                            n_ok, k0, k_end, g, s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg,
-                                            s_zn, zero_offset, opaque_zero, DOT_IEEE, BLOCK_M, BLOCK_K, BLOCK_N)
+                acc2 += _plane_tile_product(xplanes, xsum, qw2_ptr, sc2_ptr, qz2_ptr, e, offs_n, n_ok, k0, k_end, g,
+                                            s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset,
+                                            opaque_zero, DOT_IEEE, BLOCK_K)
         else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < k_end
-            x = tl.load(x_ptr + rows[:, None] * s_xm + offs_k[None, :] * s_xk,
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             acc += _tile_product(x, qw_ptr, sc_ptr, qz_ptr, gi_ptr, e, offs_k, offs_n, k_ok, n_ok, k0, k_end, g,
                                  s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
                                  zero_offset, HAS_GIDX, DOT_IEEE, BLOCK_K, BLOCK_N)
@@ -226,8 +236,9 @@ def _gemv_kernel(
     HAS_ROW_SCALE: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """One row times one column tile over one K split. The tile's packed words [BK/8, BN] are used as they
-    were loaded: row 8i + J of the tile is nibble J of word row i, so x is read as 8 strided planes and the
-    products accumulate elementwise in [BK/8, BN], reduced across rows once at the end. Without g_idx the
+    were loaded: row 8i + J of the tile is nibble J of word row i, so x's tile, loaded whole (8 strided
+    plane loads cost 62 more instructions per tile on sm_90), is split into its 8 planes (columns 8i + J),
+    and the products accumulate elementwise in [BK/8, BN], reduced across rows once at the end. Without g_idx the
     tile lies in one group: acc += s * (sum_J x_J q_J - z * sum_J x_J), one scale and zero per column.
     PARTIAL (split K): fp32 sums, gate and up side by side when fused, SiLU and the sum over splits after."""
     p = tl.program_id(0)
@@ -260,12 +271,14 @@ def _gemv_kernel(
         t = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
         t2 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
         xr = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
-        x_planes = x_row + (k0 + 8 * offs_i) * s_xk  # one address per word row; plane J at a constant offset
+        offs_k8 = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            xt = tl.load(x_row + offs_k8 * s_xk).to(tl.float32)
+        else:
+            xt = tl.load(x_row + offs_k8 * s_xk, mask=offs_k8 < k_end, other=0.0).to(tl.float32)
+        xplanes = _split_planes(tl.reshape(xt, (BLOCK_K // 8, 8)))
         for J in tl.static_range(8):
-            if EVEN_K:
-                xj = tl.load(x_planes + J * s_xk).to(tl.float32)
-            else:
-                xj = tl.load(x_planes + J * s_xk, mask=i_ok, other=0.0).to(tl.float32)
+            xj = xplanes[J]
             if HAS_GIDX:  # scales and zeros per element
                 offs_k = k0 + 8 * offs_i + J
                 gk = tl.load(gi_ptr + e * s_ge + offs_k * s_gk, mask=i_ok, other=0)
