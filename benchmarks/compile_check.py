@@ -4,7 +4,7 @@ compiler actually allocates against the architecture's limit, and fails on a com
 
     python benchmarks/compile_check.py                   # all architectures (a few minutes)
     python benchmarks/compile_check.py --archs sm_86 sm_90 --quick
-    python benchmarks/compile_check.py --archs sm_90 --only gemv --as-run   # + PTX loads, registers, spills
+    python benchmarks/compile_check.py --archs sm_90 --only gemv --as-run   # + loads, registers, spills, SASS loop
 Run with TRITON_INTERPRET unset (the interpreter replaces the compiler); the script clears it itself.
 """
 

@@ -12,7 +12,8 @@ overhead included as an eager step pays them, and "graph", every call of one pas
 and replayed, the kernel time alone as the captured denoising step pays it. Bandwidth, TFLOP/s and the
 ratio against 16-bit matmul come from graph times; NF4 (bitsandbytes) is timed eagerly only, and its
 ratio is eager against eager. "x tile" (M > 4): the GEMM with its weight tile unpacked to [BK, BN] (an
-int-to-float conversion and a shared-memory store per weight), over the default nibble planes.
+int-to-float conversion and a shared-memory store per weight) over the nibble planes, both at the tuning
+table's config (the int4 column may use an autotuned one).
 
     python benchmarks/kernels.py                         # on a GPU: full table, JSON and PNG in benchmarks/out
     python benchmarks/kernels.py --smoke                 # tiny shapes; runs anywhere (CPU: Triton interpreter)
@@ -128,6 +129,12 @@ def time_calls(calls: list, device: torch.device, reps: int, graph: bool = True)
     return eager, graph_time(calls, device, reps) if graph else None
 
 
+def kernel_time(eager_and_graph: tuple[float, float | None]) -> float:
+    """The graph time where there is one (the kernels alone), else the eager time."""
+    eager, graph = eager_and_graph
+    return graph or eager
+
+
 def random_int4(K: int, N: int, group: int, device, stack: int | None = None):
     lead = () if stack is None else (stack,)
     G = K // group
@@ -144,7 +151,7 @@ def int4_bytes(K: int, N: int, group: int) -> int:
 
 
 def bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4: bool) -> list[dict]:
-    from clover_lite.kernels.w4a16 import Int4Weights, gemm, w4a16_matmul
+    from clover_lite.kernels.w4a16 import Int4Weights, fill_split, gemm, gemm_config_for, w4a16_matmul
 
     bnb = None
     if with_nf4:
@@ -163,11 +170,14 @@ def bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4: bool) -> l
         for m in ms:
             x = torch.randn(m, K, device=device, dtype=dtype)
             e4, g4 = time_calls([lambda w=w, x=x: w4a16_matmul(x, **w) for w in w4s], device, reps)
-            unpacked = None  # the GEMM's former [BK, BN] weight tile, against its nibble planes (M > 4)
-            if m > 4:
+            unpacked = planes = None  # the GEMM's former [BK, BN] weight tile against its nibble planes (M > 4),
+            if m > 4:  # both at the table's config (no autotuning): the same tiles, only the path differs
                 ws = [Int4Weights(**w) for w in w4s]
-                e, g = time_calls([lambda w=w, x=x: gemm(x, w, planes=False) for w in ws], device, reps)
-                unpacked = g or e
+                cfg = fill_split(gemm_config_for(device, m), m, N, device)
+                unpacked, planes = (
+                    kernel_time(time_calls([lambda w=w, x=x, c=cfg, p=p: gemm(x, w, config=c, planes=p) for w in ws],
+                                        device, reps))
+                    for p in (False, True))
             e16, g16 = time_calls([lambda w=w, x=x: x @ w.t() for w in w16s], device, reps)
             enf4 = None
             if nf4s is not None:
@@ -185,7 +195,8 @@ def bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4: bool) -> l
                 "16bit_GBps": (K * N * x.element_size() + act) / t16 / 1e9,
                 "int4_TFLOPs": 2 * m * K * N / t4 / 1e12,
                 "speedup_vs_16bit": t16 / t4, "speedup_vs_nf4_eager": (enf4 / e4) if enf4 else None,
-                "unpacked_tile_s": unpacked, "speedup_vs_unpacked_tile": (unpacked / t4) if unpacked else None,
+                "unpacked_tile_s": unpacked, "planes_tile_s": planes,
+                "speedup_vs_unpacked_tile": (unpacked / planes) if unpacked else None,
             })
             print_dense_row(rows[-1])
         del w4s, w16s, nf4s

@@ -58,8 +58,8 @@ def test_kernel_benchmark_and_gpu_check_smoke(tmp_path, monkeypatch):
     assert main() == 0
     data = json.loads((tmp_path / "kernels.json").read_text())
     assert {r["M"] for r in data["dense"]} == {1, 16} and data["moe"][0]["experts_touched"] >= 1
-    # INT4 and 16-bit per row, the unpacked-tile GEMM for M > 4, and the MoE
-    assert len(captured) == 2 * len(data["dense"]) + sum(r["M"] > 4 for r in data["dense"]) + len(data["moe"])
+    # INT4 and 16-bit per row, the unpacked and planes GEMMs at the table's config for M > 4, and the MoE
+    assert len(captured) == 2 * len(data["dense"]) + 2 * sum(r["M"] > 4 for r in data["dense"]) + len(data["moe"])
     assert all((r["unpacked_tile_s"] is not None) == (r["M"] > 4) for r in data["dense"])
     assert all(r["weight_copies"] > 1 for r in data["dense"]) and data["moe"][0]["routings"] > 1  # rotated
     check = runpy.run_path(str(BENCH / "gpu_check.py"), run_name="bench")
