@@ -238,8 +238,9 @@ def _gemv_kernel(
     """One row times one column tile over one K split. The tile's packed words [BK/8, BN] are used as they
     were loaded: row 8i + J of the tile is nibble J of word row i, so x's tile, loaded whole (8 strided
     plane loads cost 62 more instructions per tile on sm_90), is split into its 8 planes (columns 8i + J),
-    and the products accumulate elementwise in [BK/8, BN], reduced across rows once at the end. Without g_idx the
-    tile lies in one group: acc += s * (sum_J x_J q_J - z * sum_J x_J), one scale and zero per column.
+    and the products accumulate elementwise in [BK/8, BN], reduced across rows once at the end. Without
+    g_idx the tile lies in one group: acc += s * (sum_J x_J q_J - z * sum_J x_J), one scale and zero per
+    column.
     PARTIAL (split K): fp32 sums, gate and up side by side when fused, SiLU and the sum over splits after."""
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -383,6 +384,12 @@ def _block_k(block_k: int, w: Int4Weights) -> int:
     return block_k
 
 
+def _k_splits(K: int, split: int, bk: int) -> tuple[int, int]:
+    """K rows per split (whole BLOCK_K tiles) and the number of splits that leaves none empty."""
+    k_per = triton.cdiv(triton.cdiv(K, max(1, min(split, triton.cdiv(K, bk)))), bk) * bk
+    return k_per, triton.cdiv(K, k_per)
+
+
 def _check_x(x: torch.Tensor, w: Int4Weights) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
@@ -486,9 +493,7 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
     if arch is not None and w.g_idx is not None:  # gathered scales and zeros: a narrower K tile must fit
         cfg = configs.for_gathered_groups(cfg, arch, fused=w2 is not None)
     bk = _block_k(cfg.block_k, w)
-    split = 1 if w2 is not None else max(1, min(cfg.split_k, triton.cdiv(w.K, bk)))
-    k_per = triton.cdiv(triton.cdiv(w.K, split), bk) * bk
-    split = triton.cdiv(w.K, k_per)
+    k_per, split = _k_splits(w.K, 1 if w2 is not None else cfg.split_k, bk)
     out = torch.empty(split, M, w.N, device=x.device, dtype=torch.float32 if split > 1 else cdt)
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(w.N, cfg.block_n), split)
     w2a = w2.args() if w2 is not None else w.args()
@@ -526,8 +531,7 @@ def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
     if P == 0:
         return torch.empty(0, w.N, device=x.device, dtype=x.dtype)
     bk = _block_k(cfg.block_k, w)
-    k_per = triton.cdiv(triton.cdiv(w.K, max(1, cfg.split_k)), bk) * bk
-    split = triton.cdiv(w.K, k_per)
+    k_per, split = _k_splits(w.K, cfg.split_k, bk)
     fused = w2 is not None
     width = 2 * w.N if fused and split > 1 else w.N
     out = torch.empty(split, P, width, device=x.device, dtype=torch.float32 if split > 1 else cdt)
