@@ -39,7 +39,7 @@ mkdir -p "$out" benchmarks/out
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
     python3 -c "import bitsandbytes; print('bitsandbytes', bitsandbytes.__version__)" 2>&1 | tail -1
 } 2>&1 | tee "$out/machine.txt"
-timeout 550 python3 benchmarks/gpu_check.py --bench-timeout 420 "$@" 2>&1 | tee "$out/gpu_check.log"
+timeout 550 python3 benchmarks/gpu_check.py --time-limit 530 "$@" 2>&1 | tee "$out/gpu_check.log"
 rc=${PIPESTATUS[0]}
 [ "$out" != benchmarks/out ] && cp benchmarks/out/kernels.json benchmarks/out/kernels.png benchmarks/out/step.json \
     "$out"/ 2>/dev/null

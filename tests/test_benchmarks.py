@@ -1,7 +1,9 @@
 """The benchmark scripts run (tiny sizes) and check what they claim, so they never rot."""
 
 import json
+import os
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -65,6 +67,19 @@ def test_kernel_benchmark_and_gpu_check_smoke(tmp_path, monkeypatch):
     check = runpy.run_path(str(BENCH / "gpu_check.py"), run_name="bench")
     # The whole-model check is covered by tests/test_kernels_model.py; here the per-kernel checks.
     assert check["main"](["--smoke", "--no-bench", "--checks", "matmul", "MoE", "attention", "GDN", "sampling"]) == 0
+
+
+def test_gpu_session_script_runs_its_check(tmp_path):
+    """The one command a GPU session runs (benchmarks/gpu_session.sh), as the device runs it: its arguments
+    reach gpu_check.py intact (a session's device time is lost to a usage error) and the log lands in $OUT."""
+    env = {**os.environ, "OUT": str(tmp_path), "TRITON_INTERPRET": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    r = subprocess.run(["bash", str(BENCH / "gpu_session.sh"), "--smoke", "--no-bench", "--checks", "sampling"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert "ok  masked-position sampling" in log and "error" not in log.lower()
+    assert "torch" in (tmp_path / "machine.txt").read_text()
 
 
 def test_step_benchmark_runs(tmp_path, monkeypatch):

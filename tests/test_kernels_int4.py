@@ -10,7 +10,7 @@ import triton.language as tl  # noqa: E402
 
 from clover_lite.kernels import configs, dispatch  # noqa: E402
 from clover_lite.kernels.moe import fused_moe  # noqa: E402
-from clover_lite.kernels.w4a16 import Int4Weights, _biased_plane16, gemm, gemv, w4a16_matmul  # noqa: E402
+from clover_lite.kernels.w4a16 import Int4Weights, _biased_planes16, _nibble_planes, gemm, gemv, w4a16_matmul  # noqa: E402
 from clover_lite.models.moe import dispatch as moe_reference  # noqa: E402
 from clover_lite.quant.pack import pack_qweight, pack_qzeros  # noqa: E402
 
@@ -116,23 +116,30 @@ def test_gemm_nibble_planes(K, group, split, variant, dtype):
 
 
 @triton.jit
-def _planes16_kernel(w_ptr, out_ptr, DTYPE: tl.constexpr):
+def _planes_kernel(w_ptr, out16_ptr, out32_ptr, DTYPE: tl.constexpr):
     offs = tl.arange(0, 64)
     words = tl.load(w_ptr + offs)
+    p16 = _biased_planes16(words, DTYPE)
+    p32 = _nibble_planes(words, 0)
     for J in tl.static_range(8):
-        tl.store(out_ptr + J * 64 + offs, _biased_plane16(words, J, DTYPE).to(tl.int16, bitcast=True))
+        tl.store(out16_ptr + J * 64 + offs, p16[J].to(tl.int16, bitcast=True))
+        tl.store(out32_ptr + J * 64 + offs, p32[J])
 
 
 @pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, 128), (torch.float16, 1024)])
-def test_biased_16bit_planes_are_exact(dtype, bias):
-    """The GEMM's 16-bit planes, run through the interpreter and read back as bits, are the floats
-    bias + q for every nibble of random words (bf16 arithmetic is wrong under the interpreter, so the bf16
-    GEMM itself only runs on a GPU: this pins its operand)."""
+def test_nibble_planes_are_exact(dtype, bias):
+    """The INT4 kernels' weight operands, run through the interpreter and read back as bits: the 16-bit
+    planes are the floats bias + q, the fp32 planes exactly q, for every nibble of random words (bf16
+    arithmetic is wrong under the interpreter, so the bf16 GEMM itself only runs on a GPU: this pins its
+    operand)."""
     words = torch.randint(-(2**31), 2**31, (64,), generator=GEN, dtype=torch.int64).to(torch.int32)
-    out = torch.empty(8, 64, dtype=torch.int16)
-    _planes16_kernel[(1,)](words, out, DTYPE=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16)
+    words[:2] = torch.tensor([-1, 0], dtype=torch.int32)  # every nibble 15, every nibble 0
+    out16 = torch.empty(8, 64, dtype=torch.int16)
+    out32 = torch.empty(8, 64, dtype=torch.float32)
+    _planes_kernel[(1,)](words, out16, out32, DTYPE=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16)
     q = torch.stack([(words.long() >> (4 * j)) & 15 for j in range(8)])
-    assert torch.equal(out.view(dtype).double(), (q + bias).double())
+    assert torch.equal(out16.view(dtype).double(), (q + bias).double())
+    assert torch.equal(out32.double(), q.double())
 
 
 @pytest.mark.parametrize("K,group,split", [(96, 32, 3), (72, -1, 2), (128, 64, 1), (256, 128, 8)])

@@ -64,30 +64,40 @@ def _next_group(g, g_end, k_next, group_size):
 
 
 @triton.jit
-def _nibble_plane(words, J: tl.constexpr, opaque_zero):
-    """Nibble J of each packed word (row 8i + J of the tile) as an exact fp32 integer 0..15, with no
-    int-to-float conversion (the CUDA guide gives conversions 16 per clock per SM, an eighth of the FMA rate:
-    one per weight would hold an H200 to about 44% of its bandwidth). The masked nibble, at bit 4J, is ORed
-    into the mantissa of 2**(23 - 4J), whose last place is worth 2**-4J, so the float is 2**(23 - 4J) + q
-    and one subtraction leaves q. Nibbles 5-7 are first shifted down 20 bits (the mantissa has 23).
-    `opaque_zero` is a run-time 0 added to the exponent constant: with both constants known, ptxas keeps
-    the masks in registers it re-creates by a MOV per nibble; this way the OR is one LOP3 per nibble."""
-    if J < 5:
-        bits = words & (15 << (4 * J))
-        base: tl.constexpr = 23 - 4 * J
-    else:
-        bits = (words >> 20) & (15 << (4 * (J - 5)))
-        base: tl.constexpr = 23 - 4 * (J - 5)
-    return (bits | (((127 + base) << 23) + opaque_zero)).to(tl.float32, bitcast=True) - (1 << base)
+def _nibble_planes(words, opaque_zero):
+    """The 8 nibbles of each packed word (plane J holds rows 8i + J of the tile) as exact fp32 integers
+    0..15, with no int-to-float conversion (the CUDA guide gives conversions 16 per clock per SM, an eighth
+    of the FMA rate: one per weight would hold an H200 to about 44% of its bandwidth). Nibble J, masked in
+    place at bit 4J, is ORed into the mantissa of 2**(23 - 4J), whose last place is worth 2**-4J, so the
+    float is 2**(23 - 4J) + q and one subtraction leaves q. Nibbles 5-7 are first shifted down 20 bits (the
+    mantissa has 23). `opaque_zero` is a run-time 0 added to the exponent constant: with both constants
+    known, ptxas keeps the masks in registers it re-creates by a MOV per nibble; this way the OR is one
+    LOP3 per nibble. All 8 in one call: the interpreter re-patches triton.language on every call of a jit
+    function (one call per plane cost the interpreted GEMV ~10% more time)."""
+    hi = words >> 20
+    return (((words & 0xF) | (((127 + 23) << 23) + opaque_zero)).to(tl.float32, bitcast=True) - 8388608.0,
+            ((words & 0xF0) | (((127 + 19) << 23) + opaque_zero)).to(tl.float32, bitcast=True) - 524288.0,
+            ((words & 0xF00) | (((127 + 15) << 23) + opaque_zero)).to(tl.float32, bitcast=True) - 32768.0,
+            ((words & 0xF000) | (((127 + 11) << 23) + opaque_zero)).to(tl.float32, bitcast=True) - 2048.0,
+            ((words & 0xF0000) | (((127 + 7) << 23) + opaque_zero)).to(tl.float32, bitcast=True) - 128.0,
+            ((hi & 0xF) | (((127 + 23) << 23) + opaque_zero)).to(tl.float32, bitcast=True) - 8388608.0,
+            ((hi & 0xF0) | (((127 + 19) << 23) + opaque_zero)).to(tl.float32, bitcast=True) - 524288.0,
+            ((hi & 0xF00) | (((127 + 15) << 23) + opaque_zero)).to(tl.float32, bitcast=True) - 32768.0)
 
 
 @triton.jit
-def _biased_plane16(words, J: tl.constexpr, dtype: tl.constexpr):
-    """Nibble J of each word as the 16-bit float B + q (B = 128 in bf16, 1024 in fp16: the nibble fills the
-    low mantissa bits of B, whose last place is 1), by a shift and one OR, with no conversion."""
-    magic: tl.constexpr = 0x4300 if dtype == tl.bfloat16 else 0x6400
-    nib = words & 15 if J == 0 else (words >> (4 * J)) & 15
-    return (nib | magic).to(tl.int16).to(dtype, bitcast=True)
+def _biased_planes16(words, dtype: tl.constexpr):
+    """The 8 nibbles of each word as the 16-bit floats B + q (B = 128 in bf16, 1024 in fp16: the nibble
+    fills the low mantissa bits of B, whose last place is 1), each by a shift and one OR, no conversion."""
+    b: tl.constexpr = 0x4300 if dtype == tl.bfloat16 else 0x6400
+    return (((words & 15) | b).to(tl.int16).to(dtype, bitcast=True),
+            (((words >> 4) & 15) | b).to(tl.int16).to(dtype, bitcast=True),
+            (((words >> 8) & 15) | b).to(tl.int16).to(dtype, bitcast=True),
+            (((words >> 12) & 15) | b).to(tl.int16).to(dtype, bitcast=True),
+            (((words >> 16) & 15) | b).to(tl.int16).to(dtype, bitcast=True),
+            (((words >> 20) & 15) | b).to(tl.int16).to(dtype, bitcast=True),
+            (((words >> 24) & 15) | b).to(tl.int16).to(dtype, bitcast=True),
+            (((words >> 28) & 15) | b).to(tl.int16).to(dtype, bitcast=True))
 
 
 @triton.jit
@@ -110,22 +120,25 @@ def _plane_tile_product(xplanes, xsum, qw_ptr, sc_ptr, qz_ptr, e, offs_n, n_ok, 
     """x times the weight tile of rows k0.. (one group, BLOCK_K >= 128) as 8 dots over nibble planes: plane
     J [BK/8, BN] holds rows k0 + 8i + J, in the layout the words were loaded in, against x's columns
     k0 + 8i + J (xplanes, from _split_planes; xsum: x's row sums in fp32). Its floats come from bit
-    operations: exact q for fp32 dots (_nibble_plane), B + q for 16-bit ones (_biased_plane16), B then
+    operations: exact q for fp32 dots (_nibble_planes), B + q for 16-bit ones (_biased_planes16), B then
     removed with the zero point; padding words (0) become B, against x columns masked to 0. Expanding the
     words to [BK, BN] instead stored every dequantized element to shared memory on its own after an
     int-to-float conversion per weight (sm_90, per thread per tile: 771 instructions, 131 conversions;
-    this way 571 and 1)."""
+    this way 578 and 1)."""
     offs_i = tl.arange(0, BLOCK_K // 8)
     i_ok = k0 // 8 + offs_i < k_end // 8
     words = tl.load(qw_ptr + e * s_qe + (k0 // 8 + offs_i)[:, None] * s_qk + offs_n[None, :] * s_qn,
                     mask=i_ok[:, None] & n_ok[None, :], other=0)
     dtype: tl.constexpr = xplanes[0].dtype
     xq = tl.zeros((xsum.shape[0], offs_n.shape[0]), dtype=tl.float32)
-    for J in tl.static_range(8):
-        if DOT_IEEE:
-            xq = tl.dot(xplanes[J], _nibble_plane(words, J, opaque_zero), xq, input_precision="ieee")
-        else:
-            xq = tl.dot(xplanes[J], _biased_plane16(words, J, dtype), xq)
+    if DOT_IEEE:
+        wq = _nibble_planes(words, opaque_zero)
+        for J in tl.static_range(8):
+            xq = tl.dot(xplanes[J], wq[J], xq, input_precision="ieee")
+    else:
+        wq = _biased_planes16(words, dtype)
+        for J in tl.static_range(8):
+            xq = tl.dot(xplanes[J], wq[J], xq)
     s, z = _group_params(sc_ptr, qz_ptr, e, g, offs_n, n_ok, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
     if not DOT_IEEE:
         z += 128.0 if dtype == tl.bfloat16 else 1024.0
@@ -190,7 +203,7 @@ def _gemm_kernel(
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    opaque_zero = K >> 31  # see _nibble_plane
+    opaque_zero = K >> 31  # see _nibble_planes
     g, g_end = _first_group(k_start, group_size)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -259,16 +272,17 @@ def _gemv_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     x_row = x_ptr + row * s_xm
-    opaque_zero = K >> 31  # 0 (K > 0) that the compiler cannot fold: see _nibble_plane
+    opaque_zero = K >> 31  # 0 (K > 0) that the compiler cannot fold: see _nibble_planes
     g, g_end = _first_group(k_start, group_size)
     for k0 in range(k_start, k_end, BLOCK_K):
         i_ok = k0 // 8 + offs_i < k_end // 8
         w_mask = n_ok[None, :] if EVEN_K else i_ok[:, None] & n_ok[None, :]  # EVEN_K: every tile is whole
         w_offs = (k0 // 8 + offs_i)[:, None] * s_qk + offs_n[None, :] * s_qn
         words = tl.load(qw_ptr + e * s_qe + w_offs, mask=w_mask, other=0)
-        words2 = words
+        wq = _nibble_planes(words, opaque_zero)
+        wq2 = wq
         if FUSE_GATE_UP:
-            words2 = tl.load(qw2_ptr + e * s_qe + w_offs, mask=w_mask, other=0)
+            wq2 = _nibble_planes(tl.load(qw2_ptr + e * s_qe + w_offs, mask=w_mask, other=0), opaque_zero)
         t = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
         t2 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
         xr = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
@@ -285,17 +299,17 @@ def _gemv_kernel(
                 gk = tl.load(gi_ptr + e * s_ge + offs_k * s_gk, mask=i_ok, other=0)
                 s, z = _group_params(sc_ptr, qz_ptr, e, gk[:, None], offs_n[None, :], w_mask,
                                      s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
-                t += xj[:, None] * ((_nibble_plane(words, J, opaque_zero) - z) * s)
+                t += xj[:, None] * ((wq[J] - z) * s)
                 if FUSE_GATE_UP:
                     g2 = tl.load(gi2_ptr + e * s_ge + offs_k * s_gk, mask=i_ok, other=0)
                     s2, z2 = _group_params(sc2_ptr, qz2_ptr, e, g2[:, None], offs_n[None, :], w_mask,
                                            s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
-                    t2 += xj[:, None] * ((_nibble_plane(words2, J, opaque_zero) - z2) * s2)
+                    t2 += xj[:, None] * ((wq2[J] - z2) * s2)
             else:
                 xr += xj
-                t += xj[:, None] * _nibble_plane(words, J, opaque_zero)
+                t += xj[:, None] * wq[J]
                 if FUSE_GATE_UP:
-                    t2 += xj[:, None] * _nibble_plane(words2, J, opaque_zero)
+                    t2 += xj[:, None] * wq2[J]
         if HAS_GIDX:
             acc += t
             acc2 += t2
