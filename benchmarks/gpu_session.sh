@@ -13,7 +13,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "${1:-}" = prepare ]; then
-    grep -qx '/.gpu_site/' .git/info/exclude 2>/dev/null || echo '/.gpu_site/' >> .git/info/exclude
+    # Kept out of git (and so carried only when named) without touching .gitignore; a fresh clone may lack info/.
+    ex=$(git rev-parse --git-path info/exclude) && mkdir -p "$(dirname "$ex")" &&
+        { grep -qx '/.gpu_site/' "$ex" 2>/dev/null || echo '/.gpu_site/' >> "$ex"; }
     bnb=$(grep -E '^bitsandbytes==' constraints.txt || echo bitsandbytes)
     tmp=$(mktemp -d)
     # The GPU image runs CPython 3.12 on x86-64; bitsandbytes' wheel is pure Python plus prebuilt libraries.

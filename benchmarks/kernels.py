@@ -150,7 +150,7 @@ def int4_bytes(K: int, N: int, group: int) -> int:
     return K * N // 2 + (K // group) * N * 2 + (K // group) * (N // 8) * 4
 
 
-def bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4: bool) -> list[dict]:
+def bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4: bool, on_row) -> None:
     from clover_lite.kernels.w4a16 import Int4Weights, fill_split, gemm, gemm_config_for, w4a16_matmul
 
     bnb = None
@@ -160,7 +160,6 @@ def bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4: bool) -> l
             import bitsandbytes.functional as bnbf
         except ImportError:
             print("bitsandbytes not installed: no NF4 column", file=sys.stderr)
-    rows = []
     for name, K, N in shapes:
         w4s = [random_int4(K, N, group, device) for _ in range(n_copies(int4_bytes(K, N, group), device))]
         w16s = [torch.randn(N, K, device=device, dtype=dtype) * 0.02
@@ -187,7 +186,7 @@ def bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4: bool) -> l
             t4, t16 = g4 or e4, g16 or e16
             act = (m * K + m * N) * x.element_size()
             b4 = int4_bytes(K, N, group) + act
-            rows.append({
+            on_row({
                 "shape": name, "K": K, "N": N, "M": m, "timing": "graph" if g4 else "eager",
                 "weight_copies": len(w4s), "int4_s": t4, "int4_eager_s": e4, "16bit_s": t16, "16bit_eager_s": e16,
                 "nf4_eager_s": enf4,
@@ -198,12 +197,10 @@ def bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4: bool) -> l
                 "unpacked_tile_s": unpacked, "planes_tile_s": planes,
                 "speedup_vs_unpacked_tile": (unpacked / planes) if unpacked else None,
             })
-            print_dense_row(rows[-1])
         del w4s, w16s, nf4s
-    return rows
 
 
-def bench_moe(ms, device, dtype, group, reps, bw, hidden, inter, experts, top_k) -> list[dict]:
+def bench_moe(ms, device, dtype, group, reps, bw, on_row, hidden, inter, experts, top_k) -> None:
     from clover_lite.kernels.moe import fused_moe
     from clover_lite.kernels.w4a16 import Int4Weights
 
@@ -211,7 +208,6 @@ def bench_moe(ms, device, dtype, group, reps, bw, hidden, inter, experts, top_k)
     up = Int4Weights(**random_int4(hidden, inter, group, device, experts))
     down = Int4Weights(**random_int4(inter, hidden, group, device, experts))
     per_expert = 2 * int4_bytes(hidden, inter, group) + int4_bytes(inter, hidden, group)
-    rows = []
     for m in ms:
         x = torch.randn(m, hidden, device=device, dtype=dtype)
         touched_per_call = experts * (1 - (1 - top_k / experts) ** m)
@@ -226,11 +222,9 @@ def bench_moe(ms, device, dtype, group, reps, bw, hidden, inter, experts, top_k)
         e, g = time_calls(calls, device, reps)
         t = g or e
         b = touched * per_expert
-        rows.append({"M": m, "experts_touched": touched, "expected_touched": touched_per_call,
+        on_row({"M": m, "experts_touched": touched, "expected_touched": touched_per_call,
                      "routings": len(routings), "timing": "graph" if g else "eager", "moe_s": t, "moe_eager_s": e,
                      "GBps": b / t / 1e9, "of_copy_bw": b / t / bw, "floor_s": b / bw})
-        print_moe_row(rows[-1])
-    return rows
 
 
 def print_dense_row(r: dict) -> None:
@@ -291,19 +285,30 @@ def main(argv=None) -> int:
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
     print(f"{card}: copy bandwidth {bw / 1e9:.0f} GB/s, L2 {l2_bytes(device) / 2**20:.1f} MiB, {dtype}, "
           f"group {group}; us: {'graph' if device.type == 'cuda' else 'eager'} time per call, weights rotated")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"card": card, "copy_GBps": bw / 1e9, "dtype": str(dtype), "group": group, "dense": [], "moe": [],
+              "date": time.strftime("%Y-%m-%d")}
+
+    def recorder(kind: str, show):
+        def on_row(row: dict) -> None:  # printed and saved as measured: a run stopped early keeps its rows
+            result[kind].append(row)
+            show(row)
+            tmp = out / "kernels.json.tmp"  # replaced whole, so a kill mid-write never truncates the last save
+            tmp.write_text(json.dumps(result, indent=2))
+            os.replace(tmp, out / "kernels.json")
+        return on_row
+
     print(f"{'shape':>15} {'M':>3} {'int4 us':>9} {'eager us':>9} {'GB/s':>7} {'%bw':>5} {'TFLOP/s':>8} "
           f"{'x 16bit':>7} {'x nf4':>6} {'x tile':>6}", flush=True)
-    dense = bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4=not args.no_nf4 and not smoke)
+    bench_dense(shapes, ms, device, dtype, group, reps, bw, not args.no_nf4 and not smoke,
+                recorder("dense", print_dense_row))
     print(f"{'MoE M':>6} {'touched':>8} {'us':>9} {'eager us':>9} {'GB/s':>7} {'%bw':>5} {'floor us':>9}")
     moe_kw = dict(hidden=64, inter=32, experts=16, top_k=2) if smoke else dict(hidden=2048, inter=512, experts=256,
                                                                              top_k=8)
-    moe = bench_moe((4,) if smoke else (1, 16, 32, 64), device, dtype, group, reps, bw, **moe_kw)
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    result = {"card": card, "copy_GBps": bw / 1e9, "dtype": str(dtype), "group": group, "dense": dense, "moe": moe,
-              "date": time.strftime("%Y-%m-%d")}
-    (out / "kernels.json").write_text(json.dumps(result, indent=2))
+    bench_moe((4,) if smoke else (1, 16, 32, 64), device, dtype, group, reps, bw, recorder("moe", print_moe_row),
+              **moe_kw)
+    dense = result["dense"]
     if not smoke:
         plot(dense, out / "kernels.png")
     bad = [r for r in dense if not math.isfinite(r["int4_s"])]

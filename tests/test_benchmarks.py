@@ -48,9 +48,12 @@ def test_kernel_benchmark_and_gpu_check_smoke(tmp_path, monkeypatch):
     captures in a CUDA graph must never wait for the device: checked here on the calls themselves."""
     monkeypatch.setattr(sys, "argv", ["kernels.py", "--smoke", "--out", str(tmp_path)])
     main = runpy.run_path(str(BENCH / "kernels.py"), run_name="bench")["main"]
-    captured = []
+    captured, saved = [], []
 
     def capture_on_cpu(calls, device, reps):  # stands in for graph_time's capture
+        # Rows are saved as they are measured (a GPU run may be stopped at its time share): count them.
+        js = tmp_path / "kernels.json"
+        saved.append(len(json.loads(js.read_text())["dense"]) if js.exists() else 0)
         with HostSyncTrap():
             for call in calls[:2]:
                 call()
@@ -64,6 +67,7 @@ def test_kernel_benchmark_and_gpu_check_smoke(tmp_path, monkeypatch):
     assert len(captured) == 2 * len(data["dense"]) + 2 * sum(r["M"] > 4 for r in data["dense"]) + len(data["moe"])
     assert all((r["unpacked_tile_s"] is not None) == (r["M"] > 4) for r in data["dense"])
     assert all(r["weight_copies"] > 1 for r in data["dense"]) and data["moe"][0]["routings"] > 1  # rotated
+    assert saved[0] == 0 and saved[-1] == len(data["dense"])  # the MoE timed with every dense row on disk
     check = runpy.run_path(str(BENCH / "gpu_check.py"), run_name="bench")
     # The whole-model check is covered by tests/test_kernels_model.py; here the per-kernel checks.
     assert check["main"](["--smoke", "--no-bench", "--checks", "matmul", "MoE", "attention", "GDN", "sampling"]) == 0
