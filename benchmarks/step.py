@@ -2,10 +2,11 @@
 
 A model with random weights is built on the device (no download): the Clover-35B-A3B config in INT4 on a
 GPU, the tiny config on a CPU. For each context length the cache is filled to that length, then a step
-(the block's masked positions -> logits -> tokens) and a commit are timed, with the time of each component
-(attention, GDN, MoE, lm_head + sampling) taken by hooks around the modules. The weight-read floor is the
-bytes a step must read (every non-expert weight, the experts a block touches, the lm_head, the KV cache)
-over the measured copy bandwidth; "outside weight reads" is the part of the step above that floor.
+(the block's masked positions -> logits -> tokens) and a commit are timed; the time of each component
+(attention, GDN, MoE) is taken by hooks around the modules in passes of their own, lm_head + sampling in
+the step. The weight-read floor is the bytes a step must read (every non-expert weight, the experts a
+block touches, the lm_head, the KV cache) over the measured copy bandwidth; "outside weight reads" is the
+part of the step above that floor.
 
     python benchmarks/step.py                                # GPU: clover-35b-a3b int4 at 1K, 8K, 32K
     python benchmarks/step.py --config tiny --contexts 64 256 --json out.json
@@ -117,8 +118,21 @@ def measure(model, cache, static, context: int, block: int, mask_id: int, reps: 
     masked = torch.full((1, block), mask_id, device=device)
     positions = torch.arange(block, device=device)
     final = torch.randint(0, mask_id, (1, block), generator=gen).to(device)
-    timer = ComponentTimer(model, device)
-    steps, commits, parts, heads = [], [], [], []
+    chooser = choose
+    if getattr(model, "backend", "torch") == "triton":  # what the decoding loop samples with (generation.py)
+        from clover_lite.kernels.sampling import choose_fused as chooser
+    # A commit advances the length and overwrites the GDN states in place: both are put back after each,
+    # outside the timed spans, so every repetition (and the graph column) starts from the prefilled state.
+    length = cache.length
+    states = {i: tuple(t.clone() for t in cache.gdn_state(i)) for i in c.gdn_layers}
+
+    def undo_commit():
+        cache.length = length
+        for i, (recurrent, conv) in states.items():
+            cache.recurrent[i].copy_(recurrent)
+            cache.conv[i].copy_(conv)
+
+    steps, commits, heads = [], [], []
     for i in range(reps + 2):  # two warm-ups
         sync(device)
         t0 = time.perf_counter()
@@ -126,21 +140,31 @@ def measure(model, cache, static, context: int, block: int, mask_id: int, reps: 
         sync(device)
         t1 = time.perf_counter()
         logits = model.logits(hidden[:, positions])
-        choose(logits[0], confidence="prob", banned_token_id=mask_id)
+        chooser(logits[0], confidence="prob", banned_token_id=mask_id)
         sync(device)
         t2 = time.perf_counter()
-        comp = timer.totals()
-        before = cache.length
         model.commit(final, cache, block)
         sync(device)
         t3 = time.perf_counter()
-        timer.totals()
-        cache.length = before  # undo the commit so every repetition sees the same context
+        undo_commit()
         if i >= 2:
             steps.append(t2 - t0)
             heads.append(t2 - t1)
             commits.append(t3 - t2)
+    # The split by component in passes of its own: the hooks record events on the host, time that would
+    # add to a launch-bound step (about 160 events a step at Clover).
+    timer = ComponentTimer(model, device)
+    parts, hooked = [], []
+    for i in range(reps + 1):  # one warm-up
+        sync(device)
+        t0 = time.perf_counter()
+        model._run(masked, cache.length, None, cache, need_states=False)
+        sync(device)
+        t1 = time.perf_counter()
+        comp = timer.totals()
+        if i >= 1:
             parts.append(comp)
+            hooked.append(t1 - t0)
     timer.close()
     graph = []
     if static is not None:  # the same step through the static (CUDA-graph) path
@@ -148,7 +172,7 @@ def measure(model, cache, static, context: int, block: int, mask_id: int, reps: 
             sync(device)
             t0 = time.perf_counter()
             logits = static(masked)
-            choose(logits[0, positions], confidence="prob", banned_token_id=mask_id)
+            chooser(logits[0, positions], confidence="prob", banned_token_id=mask_id)
             sync(device)
             if i >= 2:
                 graph.append(time.perf_counter() - t0)
@@ -158,6 +182,7 @@ def measure(model, cache, static, context: int, block: int, mask_id: int, reps: 
         "graph_step_ms": 1e3 * med(graph) if graph else None,
         **{f"{k}_ms": 1e3 * med(p[k] for p in parts) for k in COMPONENTS},
         "lm_head_sampling_ms": 1e3 * med(heads),
+        "split_pass_ms": 1e3 * med(hooked),  # the forward the components were timed in (without the head)
         "layers": {k: sum(1 for t in c.layer_types if (t == "full_attention") == (k == "attention"))
                    for k in ("attention", "GDN")},
     }
@@ -188,12 +213,12 @@ def main(argv=None) -> int:
     static = None
     from clover_lite.graph import StaticStep
 
-    if StaticStep.supported(model) is None:
+    if StaticStep.supported(model, block) is None:
         static = StaticStep(model, cache, block)
         if gpu:
             static.capture()
     mode = "CUDA graph" if static is not None and static.graph is not None else (
-        "static step, eager" if static is not None else f"none ({StaticStep.supported(model)})")
+        "static step, eager" if static is not None else f"none ({StaticStep.supported(model, block)})")
     print(f"{name} ({quant}) on {card}, block {block}, copy bandwidth {bw / 1e9:.0f} GB/s; graph column: {mode}")
     print(f"{'context':>8} {'step ms':>8} {'graph ms':>9} {'commit ms':>10} {'attn':>7} {'GDN':>7} {'MoE':>7} "
           f"{'head+samp':>10} {'floor ms':>9} {'outside':>8} {'graph out':>9}", flush=True)

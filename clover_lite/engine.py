@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -38,6 +39,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise CloverError(f"device '{device}' requested but CUDA is not available here; use device='cpu' or 'auto'")
     return dev
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """`device` made the current CUDA device for the block (nothing to do elsewhere)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -113,7 +119,8 @@ class Engine:
                 import warnings
 
                 warnings.warn(f"CUDA graph capture failed ({e}); the denoising step runs eagerly", stacklevel=2)
-                self._static = None
+                # The fixed-capacity cache was only for the graph's pointers: eager runs size their own.
+                self._static, self._cache = None, None
 
     @property
     def device(self) -> torch.device:
@@ -173,10 +180,22 @@ class Engine:
             try:
                 runner = CachedRunner(self.model, cfg.block_size, commit=cfg.commit, cache=self._cache,
                                       static_step=self._static)
-                yield from denoise(
+                events = denoise(
                     runner, ids, cfg, self.mask_token_id, self.eos_token_ids,
                     decode=self.decode, max_length=self.config.max_position_embeddings,
                 )
+                try:
+                    while True:
+                        # Triton launches on the current CUDA device, not the tensors' (cuda:1 would fail):
+                        # each advance runs with the model's device current, the caller's code between
+                        # events with its own.
+                        with on_device(self.device):
+                            event = next(events, None)
+                        if event is None:
+                            return
+                        yield event
+                finally:
+                    events.close()
             finally:
                 self._owner = None
 

@@ -81,16 +81,18 @@ class StaticStep:
                 e.graph_safe = False
 
     def capture(self) -> None:
-        """Warm up (kernel selection and autotuning happen outside the graph), then capture."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self.forward()
+        """Warm up (kernel selection and autotuning happen outside the graph), then capture, with the
+        model's device current: streams and Triton's launches follow the current device, not the tensors."""
+        with torch.cuda.device(self.ids.device):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.forward()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self.forward()
 
     def __call__(self, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """block_ids (block,) or [1, block] -> logits [1, block, vocab] for the cache's current length."""
