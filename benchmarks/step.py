@@ -34,6 +34,7 @@ from clover_lite.models.moe import SparseMoE
 from clover_lite.sampling import choose
 
 COMPONENTS = ("attention", "GDN", "MoE")
+PREFILL_CHUNK = planner.PREFILL_CHUNK
 
 
 class ComponentTimer:
@@ -114,7 +115,12 @@ def measure(model, cache, static, context: int, block: int, mask_id: int, reps: 
     gen = torch.Generator().manual_seed(context)
     ids = torch.randint(0, mask_id, (1, context), generator=gen).to(device)
     cache.reset()
-    model.prefill(ids, cache, block, chunk_tokens=2048)
+    if device.type == "cuda":  # the prefill's transient memory, against the planner's estimate (main)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        held = torch.cuda.memory_allocated(device)
+    model.prefill(ids, cache, block, chunk_tokens=PREFILL_CHUNK)
+    prefill_peak = torch.cuda.max_memory_allocated(device) - held if device.type == "cuda" else None
     masked = torch.full((1, block), mask_id, device=device)
     positions = torch.arange(block, device=device)
     final = torch.randint(0, mask_id, (1, block), generator=gen).to(device)
@@ -182,6 +188,7 @@ def measure(model, cache, static, context: int, block: int, mask_id: int, reps: 
         "graph_step_ms": 1e3 * med(graph) if graph else None,
         **{f"{k}_ms": 1e3 * med(p[k] for p in parts) for k in COMPONENTS},
         "lm_head_sampling_ms": 1e3 * med(heads),
+        "prefill_peak_bytes": prefill_peak,
         "split_pass_ms": 1e3 * med(hooked),  # the forward the components were timed in (without the head)
         "layers": {k: sum(1 for t in c.layer_types if (t == "full_attention") == (k == "attention"))
                    for k in ("attention", "GDN")},
@@ -227,6 +234,9 @@ def main(argv=None) -> int:
         r = measure(model, cache, static, n, block, mask_id, args.reps, device)
         floor = weight_read_bytes(config, quant, block, n, "bf16" if gpu else "fp32") / bw
         r["weight_floor_ms"] = 1e3 * floor
+        r["prefill_workspace_estimate_bytes"] = planner.workspace_bytes(
+            config, planner.parse_quant(quant), "bf16" if gpu else "fp32", min(PREFILL_CHUNK, n), n, step=False,
+            backend=getattr(model, "backend", "torch"))
         r["outside_weight_reads"] = max(0.0, 1 - floor / (r["step_ms"] / 1e3))
         g = r["graph_step_ms"]
         r["graph_outside_weight_reads"] = None if g is None else max(0.0, 1 - floor / (g / 1e3))
@@ -240,6 +250,10 @@ def main(argv=None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({"config": name, "quant": quant, "card": card, "block": block,
                                                    "copy_GBps": bw / 1e9, "graph": mode, "rows": rows}, indent=2))
+    for r in rows:
+        if r["prefill_peak_bytes"] is not None:
+            print(f"prefill to {r['context']}: transient peak {r['prefill_peak_bytes'] / 2**30:.2f} GiB, planner's "
+                  f"estimate {r['prefill_workspace_estimate_bytes'] / 2**30:.2f} GiB")
     return 0
 
 

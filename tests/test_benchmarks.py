@@ -119,6 +119,7 @@ def test_step_benchmark_runs(tmp_path, monkeypatch):
     for r in rows:
         assert r["step_ms"] > 0 and r["commit_ms"] > 0 and 0 <= r["outside_weight_reads"] <= 1
         assert r["attention_ms"] + r["GDN_ms"] + r["MoE_ms"] <= r["split_pass_ms"]  # parts of the pass timed
+        assert r["prefill_peak_bytes"] is None and r["prefill_workspace_estimate_bytes"] > 0  # peak: CUDA only
 
 
 def test_step_benchmark_through_the_kernels_and_the_static_step(tmp_path, monkeypatch):

@@ -17,6 +17,21 @@ from .config import ModelConfig
 from .layers import RMSNorm, apply_rotary
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           expand_kv: bool) -> torch.Tensor:
+    """softmax(q k^T * scale, where mask) v for q [b, heads, L, d] and GQA k, v [b, kv_heads, S, d].
+
+    expand_kv: K/V repeated to the q heads first. CUDA's fused SDPA kernels take a mask or GQA, not both:
+    masked GQA would fall back to the math kernel and its fp32 scores and probabilities [heads, L, S] (8 GB
+    for a 2K-token prefill chunk at 32K context on Clover); the copies cost 2*heads*S*d. On the CPU masked
+    GQA stays fused."""
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and expand_kv:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        gqa = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
 class GatedAttention(nn.Module):
     backend = "torch"  # "triton" once kernels.apply chose it at load time
 
@@ -82,9 +97,7 @@ class GatedAttention(nn.Module):
         if past is not None and past[0].shape[2] > 0:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=self.n_heads != self.n_kv
-        )
+        out = attend(q, k, v, mask, self.head_dim**-0.5, expand_kv=q.is_cuda and mask is not None)
         out = out.transpose(1, 2).reshape(b, L, self.n_heads * self.head_dim)
         out = out * torch.sigmoid(gate.reshape(b, L, -1))
         return self.o_proj(out), new
