@@ -43,7 +43,7 @@ def main(argv=None) -> int:
             src = BUNDLED_MODEL
         else:
             src = write_tiny_checkpoint(Path(tmp) / "tiny", seed=0)
-        ref = clover_lite.load(src, device=args.device)
+        ref = clover_lite.load(src, device=args.device, static_step=False)  # no decoding
         eval_kw = dict(nsamples=args.eval_samples, seqlen=args.eval_seqlen)
         base = evaluate(ref, None, **eval_kw)
         size16 = sum(f.stat().st_size for f in src.glob("*.safetensors"))
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             report = quantize_model(src, Path(tmp) / method, opts)
             seconds = time.perf_counter() - t
-            res = evaluate(clover_lite.load(report.out, device=args.device), ref, **eval_kw)
+            res = evaluate(clover_lite.load(report.out, device=args.device, static_step=False), ref, **eval_kw)
             rows.append({"method": method, "seconds": seconds, "mib": report.bytes_after / 2**20, "nll": res.nll,
                          "kl": res.kl, "top1": res.top1_agreement, "layer_error": report.error_by_kind})
     print(f"model: {src}  group size {args.group_size}, calibration {args.nsamples} x {args.seqlen}, "

@@ -38,6 +38,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise CloverError(f"device '{device}' requested but CUDA is not available here; use device='cpu' or 'auto'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise CloverError(f"device '{device}' requested but this machine has {n} CUDA device{'s' * (n != 1)} "
+                          f"(cuda:0 to cuda:{n - 1})")
     return dev
 
 
@@ -96,6 +100,7 @@ class Engine:
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._cache, self._static = None, None
+        self._context = context
         if static_step is None:
             static_step = False
             if self.device.type == "cuda":  # graph.py needs Triton, which CPU-only installs lack
@@ -125,6 +130,16 @@ class Engine:
     @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
+
+    @property
+    def context_limit(self) -> int:
+        """The most positions (prompt + reply) one generation may use: the fixed cache's capacity when the
+        engine keeps one (its CUDA graph points at those buffers), else the context given at load, else the
+        model's limit."""
+        limit = self.config.max_position_embeddings
+        if self._cache is not None:
+            return min(limit, self._cache.capacity)
+        return min(limit, self._context) if self._context else limit
 
     # ---- prompts ----------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
@@ -182,7 +197,7 @@ class Engine:
                                       static_step=self._static)
                 events = denoise(
                     runner, ids, cfg, self.mask_token_id, self.eos_token_ids,
-                    decode=self.decode, max_length=self.config.max_position_embeddings,
+                    decode=self.decode, max_length=self.context_limit,
                 )
                 try:
                     while True:

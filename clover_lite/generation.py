@@ -276,8 +276,8 @@ def denoise(
     total = P + cfg.max_new_tokens
     if max_length is not None and total > max_length:
         raise GenerationError(
-            f"prompt ({P} tokens) + max_new_tokens ({cfg.max_new_tokens}) = {total} exceeds the model's context "
-            f"of {max_length} tokens; shorten the prompt or lower max_new_tokens"
+            f"prompt ({P} tokens) + max_new_tokens ({cfg.max_new_tokens}) = {total} exceeds the context "
+            f"of {max_length} tokens; shorten the prompt or lower max_new_tokens (or load with a longer context)"
         )
     decode = decode or (lambda ids: "")
     eos_ids = set() if cfg.ignore_eos else set(eos_token_ids)
@@ -294,6 +294,8 @@ def denoise(
     runner.reserve(total)
     first_start = P // B * B
     runner.prefill(prompt_ids[:first_start])
+    if runner.device.type == "cuda":  # the prefill's kernels are queued, not done: wait once, here
+        torch.cuda.synchronize(runner.device)
     stats.prefill_seconds = time.perf_counter() - t0
 
     generated: list[int] = []  # final tokens of finished blocks (generated part only)
@@ -327,6 +329,9 @@ def denoise(
             tokens, conf = chooser(
                 logits, cfg.temperature, cfg.top_k, cfg.top_p, cfg.confidence, mask_token_id, generator
             )
+            # The block's choices to the host at once (at most 64 each): one wait for the device per step,
+            # not one per selection and per committed token.
+            tokens, conf = tokens.cpu(), conf.cpu()
             pick = select_positions(conf, cfg, step_in_block).tolist()
             for j in pick:
                 block[masked[j]] = int(tokens[j])

@@ -91,7 +91,9 @@ class StaticStep:
                     self.forward()
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            # On our stream: torch.cuda.graph's default capture stream is made once per process, on the
+            # device current then, and entering it would switch a second engine on another GPU to that one.
+            with torch.cuda.graph(self.graph, stream=stream):
                 self.logits = self.forward()
 
     def __call__(self, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:

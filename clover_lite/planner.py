@@ -45,6 +45,10 @@ LOAD_CHECK_CONTEXT = 4096
 # What a GPU keeps that a model cannot use: a desktop on GeForce cards, the driver's own allocations,
 # allocator fragmentation. Taken off every known card's capacity.
 GPU_RESERVE_BYTES = 1 * GiB
+# What a plan against a CUDA device's free memory leaves unused (the CUDA context is already outside what
+# the driver reports free): the caching allocator's rounding and fragmentation, cuBLAS's and Triton's
+# workspaces, the CUDA graph's pool. Without it the context `load()` picks would fill the card to the byte.
+CUDA_FREE_HEADROOM_BYTES = 512 * MiB
 
 
 class MemoryPlanError(CloverError):
@@ -391,9 +395,12 @@ def available_ram() -> int:
 
 
 def cuda_free_memory(device: torch.device) -> tuple[int, int]:
-    """(free, total) bytes of a CUDA device, as the driver reports them now."""
+    """(free, total) bytes of a CUDA device for this process: what the driver reports free now plus what
+    PyTorch's caching allocator holds unused (free to this process's tensors, not to the driver: a second
+    model loaded in one process, as `clover quantize --eval` does, may use it)."""
     free, total = torch.cuda.mem_get_info(device)
-    return int(free), int(total)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + cached), int(total)
 
 
 @dataclass
@@ -420,7 +427,8 @@ def resolve_target(device: str | torch.device | None) -> Target | None:
             raise CloverError(f"device '{device}' asked for but CUDA is not available here")
         free, _ = cuda_free_memory(dev)
         # mem_get_info has already created the CUDA context: what is free excludes it.
-        return Target(f"{dev} (free now)", free, False)
+        return Target(f"{dev} (free now, less {fmt_bytes(CUDA_FREE_HEADROOM_BYTES)} headroom)",
+                      max(0, free - CUDA_FREE_HEADROOM_BYTES), False)
     raise CloverError(f"cannot plan for device type '{dev.type}'")
 
 
@@ -768,8 +776,8 @@ def check_load(path: Path, config: ModelConfig, device: torch.device, dtype: tor
 
 __all__ = [
     "plan", "MemoryPlan", "QuantScheme", "parse_quant", "KNOWN_GPUS", "GPU", "CUDA_CONTEXT_BYTES",
-    "GPU_RESERVE_BYTES", "PREFILL_CHUNK", "WORKSPACE_FORMULA", "NAMED_CONFIGS", "named_config",
-    "clover_35b_a3b_config", "MemoryPlanError", "check_load", "weight_bytes", "kv_bytes_per_token",
+    "GPU_RESERVE_BYTES", "CUDA_FREE_HEADROOM_BYTES", "PREFILL_CHUNK", "WORKSPACE_FORMULA", "NAMED_CONFIGS",
+    "named_config", "clover_35b_a3b_config", "MemoryPlanError", "check_load", "weight_bytes", "kv_bytes_per_token",
     "gdn_state_bytes", "workspace_bytes", "fmt_bytes", "meta_model", "model_bytes", "available_ram",
     "normalize_gpu_name",
 ]

@@ -20,6 +20,16 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny2_dir(tmp_path_factory):
+    """The tiny checkpoint cut to one GDN and one attention layer, for generations run through every Triton
+    kernel in the interpreter, where a block's forward costs seconds per layer."""
+    from clover_lite.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt2") / "tiny2", seed=1234, num_hidden_layers=2,
+                                 layer_types=["linear_attention", "full_attention"])
+
+
+@pytest.fixture(scope="session")
 def tiny_engine(tiny_dir):
     import clover_lite
 

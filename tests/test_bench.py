@@ -74,3 +74,36 @@ def test_bench_on_a_checkpoint(tiny_dir, tmp_path):
     assert r.exit_code == 0, r.output
     data = json.loads((tmp_path / "c.json").read_text())
     assert not data["random_weights"] and data["generation"]["new_tokens"] == 12
+
+
+def test_bench_times_the_step_the_engine_decodes_with(tiny_dir):
+    """`clover run` on a GPU decodes through the engine's CUDA-graph step over its fixed cache: the bench's
+    timed steps and its generation go through that same step (here a spy standing in for graph.StaticStep,
+    computing what it computes: every block position's logits against the engine's cache)."""
+    import torch
+
+    import clover_lite
+    from clover_lite.cli.bench import bench_context, run_bench
+
+    eng = clover_lite.load(tiny_dir, device="cpu")
+    eng._cache = eng.model.new_cache(capacity=bench_context(32, 12, 3, 4))
+    lengths = []
+
+    class SpyStep:
+        block_size, graph = 4, None
+
+        def __call__(self, block_ids):
+            lengths.append(eng._cache.length)
+            ids = torch.as_tensor(block_ids).view(1, -1)
+            return eng.model.step(ids, eng._cache, torch.arange(ids.shape[1]))[0]
+
+    eng._static = SpyStep()
+    report = run_bench(eng, 4, prompt_tokens=32, new_tokens=12, steps=3)
+    assert report["step_kind"] == "static, eager" and report["step"]["n"] == 3
+    # Warm-up at 4 committed positions, the 3 timed steps after the 32-token prefill, then the generation's.
+    assert lengths[:4] == [4, 32, 36, 40]
+    assert len(lengths) - 4 == report["generation"]["forwards"]  # every denoising step of the generation
+    assert eng._cache.capacity == bench_context(32, 12, 3, 4)  # never grown: a graph points at its buffers
+    assert report["generation"]["new_tokens"] == 12
+    plain = run_bench(clover_lite.load(tiny_dir, device="cpu"), 4, prompt_tokens=32, new_tokens=12, steps=3)
+    assert plain["step_kind"] == "eager"

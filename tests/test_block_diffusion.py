@@ -76,6 +76,22 @@ def test_mask_is_bidirectional_inside_blocks_and_causal_across(tiny_engine):
     assert (a[0, 8] - causal_a[0, 8]).abs().max() > 1e-4
 
 
+
+def test_forward_logits_where_selects_positions(tiny_engine):
+    """`where` (the evaluation's masked positions): the lm_head runs on those rows only, same logits."""
+    model = tiny_engine.model
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 256, (3, 13), generator=gen)
+    where = torch.rand(3, 13, generator=gen) < 0.3
+    where[1] = False  # a window with no selected position
+    with torch.no_grad():
+        full = model(ids, block_size=4)
+        part = model(ids, block_size=4, where=where)
+    assert part.shape == (int(where.sum()), full.shape[-1])
+    torch.testing.assert_close(part, full[where], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="where must be a bool tensor of shape"):
+        model(ids, block_size=4, where=where.long())
+
 def _cache_state(cache):
     out = []
     for store in (cache.keys, cache.values):

@@ -46,6 +46,10 @@ def test_run_errors_are_one_line(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt9"}')
     r = clover("info", str(tmp_path))
     assert r.returncode == 1 and "unknown model_type 'gpt9'" in r.stderr
+    r = clover("run", "--context", "6", "--raw", "a prompt longer than the context")  # the bundled model
+    assert r.returncode == 1 and r.stderr.startswith("error:") and "exceeds the context of 6 tokens" in r.stderr
+    r = clover("run", "--context", "0", "hi")
+    assert r.returncode == 2 and "--context" in r.stderr
 
 
 def test_no_model_and_no_bundled_model_explains_what_to_do(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import clover_lite
-from clover_lite import BlockEvent, DoneEvent, GenerationError, StepEvent
+from clover_lite import BlockEvent, DoneEvent, GenerationConfig, GenerationError, StepEvent
 from clover_lite.errors import CloverError
 
 from . import hf_models
@@ -95,6 +95,21 @@ def test_prompt_errors(tiny_engine):
         tiny_engine.generate("x", max_tokens=3)
 
 
+def test_context_given_at_load_limits_generations_and_chat(tiny_dir, tiny_engine):
+    """load(context=N) (`--context`): without a fixed cache (CPU) the engine still keeps to N positions, and
+    a chat trims its replies to what is left of them, as it must on a GPU, where the cache is sized once."""
+    from clover_lite.cli.chat import ChatSession
+
+    assert tiny_engine.context_limit == tiny_engine.config.max_position_embeddings
+    eng = clover_lite.load(tiny_dir, device="cpu", context=40)
+    assert eng.context_limit == 40
+    with pytest.raises(GenerationError, match="exceeds the context of 40 tokens"):
+        eng.generate([1] * 30, max_new_tokens=11)
+    assert len(eng.generate([1] * 30, max_new_tokens=10, ignore_eos=True).token_ids) == 10
+    ids, cfg = ChatSession(eng, GenerationConfig(max_new_tokens=1000)).request("hi")
+    assert cfg.max_new_tokens == 40 - len(ids)
+
+
 def test_checkpoint_without_mask_token_or_tokenizer(tmp_path):
     hf_models.qwen3_5_moe_causal(tmp_path, seed=3)
     engine = clover_lite.load(tmp_path, device="cpu")
@@ -120,6 +135,16 @@ def test_load_errors(tmp_path, tiny_dir):
     if not torch.cuda.is_available():
         with pytest.raises(CloverError, match="CUDA is not available"):
             clover_lite.load(tiny_dir, device="cuda")
+
+
+def test_a_cuda_device_the_machine_lacks_is_named(monkeypatch):
+    from clover_lite.engine import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(CloverError, match=r"'cuda:2' requested but this machine has 2 CUDA devices \(cuda:0 to"):
+        resolve_device("cuda:2")
 
 
 def test_reference_forward_is_engine_model(tiny_engine):

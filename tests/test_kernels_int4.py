@@ -246,7 +246,7 @@ def test_fused_moe_both_paths_agree():
 
 
 @pytest.mark.parametrize("static_groups", [True, False])
-def test_model_with_triton_kernels_generates_like_the_reference(tiny_dir, tmp_path, static_groups):
+def test_model_with_triton_kernels_generates_like_the_reference(tiny2_dir, tmp_path, static_groups):
     """Our default checkpoint (act-order with static groups: plain g_idx), and desc_act without static
     groups (scattered groups, repacked by group at load) through every kernel."""
     import clover_lite
@@ -254,7 +254,7 @@ def test_model_with_triton_kernels_generates_like_the_reference(tiny_dir, tmp_pa
     from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
 
     opts = QuantizeOptions(group_size=32, nsamples=4, seqlen=32, static_groups=static_groups)
-    out = quantize_model(tiny_dir, tmp_path / "q", opts).out
+    out = quantize_model(tiny2_dir, tmp_path / "q", opts).out
     ref = clover_lite.load(out, device="cpu")
     tri = clover_lite.load(out, device="cpu")
     dispatch.apply(tri.model, "triton")

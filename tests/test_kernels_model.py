@@ -49,14 +49,14 @@ def test_sampling_with_kernels_is_seeded(tiny_dir):
     assert tri.generate([1, 2, 3], **kw).token_ids == tri.generate([1, 2, 3], **kw).token_ids
 
 
-def test_static_step_equals_the_step_and_generation(tiny_dir, tmp_path):
+def test_static_step_equals_the_step_and_generation(tiny2_dir, tmp_path):
     """The CUDA-graph step (static shapes, cache length read on the device) run eagerly here: its logits equal
     the dynamic step's at several cache lengths, it never waits for the device (which capture forbids), and
     a generation through it equals the reference's."""
     from clover_lite.graph import StaticStep
     from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
 
-    q = quantize_model(tiny_dir, tmp_path / "q", QuantizeOptions(group_size=32, nsamples=4, seqlen=32)).out
+    q = quantize_model(tiny2_dir, tmp_path / "q", QuantizeOptions(group_size=32, nsamples=4, seqlen=32)).out
     ref = clover_lite.load(q, device="cpu")
     eng = clover_lite.load(q, device="cpu", kernels="triton", static_step=True, context=64)
     assert isinstance(eng._static, StaticStep) and eng._static.num_splits >= 1

@@ -194,11 +194,31 @@ def test_load_check_on_cuda_uses_free_memory(tiny_dir, monkeypatch):
     monkeypatch.setattr(planner, "cuda_free_memory", lambda dev: (10 * 2**20, 24 * GiB))
     with pytest.raises(MemoryPlanError, match="run out of GPU memory") as e:
         planner.check_load(tiny_dir, config, torch.device("cuda"), torch.bfloat16)
-    assert "cuda (free now)" in str(e.value)
+    assert "cuda (free now, less 512.0 MiB headroom)" in str(e.value)
     monkeypatch.setattr(planner, "cuda_free_memory", lambda dev: (20 * GiB, 24 * GiB))
-    assert planner.check_load(tiny_dir, config, torch.device("cuda"), torch.bfloat16).fits()
+    p = planner.check_load(tiny_dir, config, torch.device("cuda"), torch.bfloat16)
+    assert p.fits() and p.target.capacity == 20 * GiB - planner.CUDA_FREE_HEADROOM_BYTES
     # A context the caller fixed is the one checked (the engine's cache is allocated at it).
     assert planner.check_load(tiny_dir, config, torch.device("cuda"), torch.bfloat16, 8000).context_len == 8000
+    # A model that needs all the free memory but the headroom is refused.
+    free = p.total + planner.CUDA_FREE_HEADROOM_BYTES // 2
+    monkeypatch.setattr(planner, "cuda_free_memory", lambda dev: (free, 24 * GiB))
+    with pytest.raises(MemoryPlanError, match="run out of GPU memory"):
+        planner.check_load(tiny_dir, config, torch.device("cuda"), torch.bfloat16)
+    monkeypatch.setattr(planner, "cuda_free_memory", lambda dev: (free + GiB, 24 * GiB))
+    assert planner.check_load(tiny_dir, config, torch.device("cuda"), torch.bfloat16).fits()
+
+
+def test_cuda_free_memory_counts_the_allocators_unused_blocks(monkeypatch):
+    """Memory PyTorch's allocator reserved but no tensor uses is this process's to use (a second model in
+    one process), though the driver does not report it free."""
+    import clover_lite.planner as planner
+
+    dev = torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (3 * GiB, 24 * GiB) if d == dev else None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 5 * GiB if d == dev else None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 4 * GiB if d == dev else None)
+    assert planner.cuda_free_memory(dev) == (4 * GiB, 24 * GiB)
 
 
 # ---- clover info ----------------------------------------------------------------------------------

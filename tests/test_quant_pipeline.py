@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import clover_lite
+from clover_lite.cli.chat import banner
 from clover_lite.errors import CheckpointError, CloverError
 from clover_lite.quant.eval import evaluate
 from clover_lite.quant.pipeline import QuantizationError, QuantizeOptions, quantize_model
@@ -196,6 +197,9 @@ def test_formats_and_nf4_load(src, tmp_path):
     for path in (v2.out, nf4.out):
         e = clover_lite.load(path)
         assert evaluate(e, ref, nsamples=16, seqlen=64).kl < 0.01
+        # Parameters are the model's, not the packed buffers' (`clover chat` prints them when it starts).
+        assert e.model.num_parameters() == ref.model.num_parameters()
+        assert f"{ref.model.num_parameters()[0] / 1e6:.1f}M parameters" in banner(e)
     assert json.loads((nf4.out / "quantize_config.json").read_text())["quant_method"] == "nf4"
 
 

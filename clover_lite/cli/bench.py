@@ -16,7 +16,9 @@ from pathlib import Path
 import click
 import torch
 
+from ..engine import Engine, on_device
 from ..errors import CloverError
+from ..generation import DoneEvent, StepEvent
 from ..planner import (
     NAMED_CONFIGS,
     MemoryPlan,
@@ -62,16 +64,27 @@ def _summary(seconds: list[float]) -> dict:
             "p90_ms": 1e3 * s[min(len(s) - 1, int(0.9 * len(s)))], "n": len(s)}
 
 
-@torch.no_grad()
-def run_bench(model, block_size: int, mask_token_id: int, prompt_tokens: int = 512, new_tokens: int = 128,
-              steps: int = 16, threshold: float = 0.9, policy: str = "threshold", seed: int = 0,
-              progress: ProgressFn | None = None) -> dict:
-    """Time prefill, single denoising steps and commits, then a whole generation, on random token ids."""
-    from ..generation import CachedRunner, GenerationConfig, StepEvent, denoise
+def bench_context(prompt_tokens: int, new_tokens: int, steps: int, block_size: int) -> int:
+    """Positions a run of `run_bench` holds at most: the timed steps' commits, or the generation."""
+    return prompt_tokens + new_tokens + (steps + 1) * block_size
 
-    device = model.embed_tokens.weight.device
-    c = model.config
+
+@torch.no_grad()
+def run_bench(engine: Engine, block_size: int, prompt_tokens: int = 512, new_tokens: int = 128, steps: int = 16,
+              threshold: float = 0.9, policy: str = "threshold", seed: int = 0,
+              progress: ProgressFn | None = None) -> dict:
+    """Time prefill, single denoising steps and commits, then a whole generation, on random token ids, as
+    `clover run` runs them: in the engine's cache, each step through its CUDA graph when it has one (for
+    this block size), with the model's device current (Triton launches on the current device)."""
+    with on_device(engine.device):
+        return _run_bench(engine, block_size, prompt_tokens, new_tokens, steps, threshold, policy, seed, progress)
+
+
+def _run_bench(engine, block_size, prompt_tokens, new_tokens, steps, threshold, policy, seed, progress) -> dict:
+    model, device, c, mask_token_id = engine.model, engine.device, engine.config, engine.mask_token_id
     B = block_size
+    static = engine._static if engine._static is not None and engine._static.block_size == B else None
+    cache = engine._cache if engine._cache is not None else model.new_cache()
     gen = torch.Generator().manual_seed(seed)
     P = max(B, prompt_tokens // B * B)
 
@@ -80,14 +93,23 @@ def run_bench(model, block_size: int, mask_token_id: int, prompt_tokens: int = 5
         ids[ids >= mask_token_id] += 1  # never the mask token
         return ids.to(device)
 
+    masked = torch.full((1, B), mask_token_id, device=device)
+    positions = torch.arange(B, device=device)
+
+    def step() -> None:  # one denoising step of a fully masked block, as the decoding loop runs it
+        if static is not None:
+            static(masked)
+        else:
+            model.step(masked, cache, positions)
+
     # Warm-up: first calls allocate and pick kernels.
-    cache = model.new_cache()
+    cache.reset()
+    cache.reserve(P + (steps + 1) * B)
     model.prefill(tokens(B), cache, B)
-    model.step(torch.full((1, B), mask_token_id, device=device), cache, torch.arange(B, device=device))
+    step()
     _sync(device)
 
-    cache = model.new_cache()
-    cache.reserve(P + (steps + 1) * B)
+    cache.reset()
     ids = tokens(P)
     if progress:
         progress("prefill", 0, 1)
@@ -99,12 +121,10 @@ def run_bench(model, block_size: int, mask_token_id: int, prompt_tokens: int = 5
     if progress:
         progress("prefill", 1, 1)
 
-    masked = torch.full((1, B), mask_token_id, device=device)
-    positions = torch.arange(B, device=device)
     step_s, commit_s = [], []
     for i in range(steps):
         t = time.perf_counter()
-        model.step(masked, cache, positions)
+        step()
         _sync(device)
         step_s.append(time.perf_counter() - t)
         block = tokens(B)
@@ -115,18 +135,15 @@ def run_bench(model, block_size: int, mask_token_id: int, prompt_tokens: int = 5
         if progress:
             progress("denoising steps and commits", i + 1, steps)
 
-    cfg = GenerationConfig(max_new_tokens=new_tokens, block_size=B, threshold=threshold, policy=policy,
-                           ignore_eos=True).resolved(B)
-    runner = CachedRunner(model, B)
-    prompt = tokens(P)[0].tolist()
     done = 0
     result = None
-    for event in denoise(runner, prompt, cfg, mask_token_id, (), max_length=None):
+    for event in engine.stream(tokens(P)[0].tolist(), max_new_tokens=new_tokens, block_size=B, threshold=threshold,
+                               policy=policy, ignore_eos=True):
         if isinstance(event, StepEvent):
             done += len(event.committed)
             if progress:
                 progress("generation", min(done, new_tokens), new_tokens)
-        elif event.kind == "done":
+        elif isinstance(event, DoneEvent):
             result = event.generation
     s = result.stats
     step_med, commit_med = statistics.median(step_s), statistics.median(commit_s)
@@ -134,6 +151,8 @@ def run_bench(model, block_size: int, mask_token_id: int, prompt_tokens: int = 5
                   for k in (1, 2, 4, 8, 16, 32, 64) if k <= B]
     return {
         "block_size": B,
+        "step_kind": "cuda graph" if static is not None and static.graph is not None
+        else "static, eager" if static is not None else "eager",
         "prefill": {"tokens": P, "seconds": prefill_s, "tokens_per_second": P / prefill_s if prefill_s else 0.0},
         "step": _summary(step_s),
         "commit": _summary(commit_s),
@@ -152,8 +171,8 @@ def _table(report: dict):
     r = report
     g = r["generation"]
     table = Table(title=f"clover bench: {r['model']}", show_header=False)
-    table.add_row("setup", f"{r['quant']}, {r['dtype']}, block {r['block_size']}, {r['kernels']} kernels, on "
-                           f"{r['device_name']}")
+    table.add_row("setup", f"{r['quant']}, {r['dtype']}, block {r['block_size']}, {r['kernels']} kernels, "
+                           f"{r['step_kind']} step, on {r['device_name']}")
     table.add_row("generation", f"{g['tokens_per_second']:.1f} tok/s, {g['tokens_per_forward']:.2f} tokens/forward "
                                 f"({g['new_tokens']} tokens, {g['forwards']} forwards, {g['policy']} "
                                 f"{g['threshold']})")
@@ -245,6 +264,7 @@ def bench(model_path, config_name, random_weights, quant, group_size, device, dt
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..engine import resolve_device, resolve_dtype
+    from ..models.config import load_config
     from .main import _fail, load_with_progress
 
     err = Console(stderr=True)
@@ -276,23 +296,26 @@ def bench(model_path, config_name, random_weights, quant, group_size, device, dt
                 scheme = parse_quant(f"int4-g{group_size}" if q == "int4" else q)
                 dt = resolve_dtype(dtype, dev) if scheme.quantized or dtype else None
                 B = block_size or cfg.block_size or 4
-                p = plan(cfg, scheme, prompt_tokens + new_tokens + (steps + 1) * B, dev, block_size=B, dtype=dt,
-                         _name=config_name)
+                context = bench_context(prompt_tokens, new_tokens, steps, B)
+                p = plan(cfg, scheme, context, dev, block_size=B, dtype=dt, _name=config_name)
                 _check_plan(p, dev)
                 progress("initialising random weights", 0, 1)
-                model = random_model(cfg, scheme, dev, dt, seed, progress)
-                name, mask_id, label = config_name, cfg.mask_token_id, scheme.label()
+                with on_device(dev):
+                    model = random_model(cfg, scheme, dev, dt, seed, progress)
+                    # As load() makes it: on CUDA with INT4 experts the step is captured as a CUDA graph.
+                    engine = Engine(model, None, mask_token_id=cfg.mask_token_id, context=context)
+                name, label = config_name, scheme.label()
             else:
-                engine = load_with_progress(model_path, device=dev, dtype=dtype)
-                model, cfg = engine.model, engine.config
+                cfg = load_config(model_path)
                 B = block_size or cfg.block_size or 4
-                p = plan(model_path, None, prompt_tokens + new_tokens + (steps + 1) * B, dev, block_size=B,
-                         dtype=model.embed_tokens.weight.dtype)
-                name, mask_id, label = Path(model_path).name, engine.mask_token_id, p.scheme.label()
-                if mask_id is None:
+                context = bench_context(prompt_tokens, new_tokens, steps, B)
+                engine = load_with_progress(model_path, device=dev, dtype=dtype, context=context)
+                model = engine.model
+                p = plan(model_path, None, context, dev, block_size=B, dtype=model.embed_tokens.weight.dtype)
+                name, label = Path(model_path).name, p.scheme.label()
+                if engine.mask_token_id is None:
                     raise CloverError(f"{model_path}: the model has no mask token; it cannot be benchmarked")
-            report = run_bench(model, B, mask_id, prompt_tokens, new_tokens, steps, threshold, policy, seed,
-                               progress)
+            report = run_bench(engine, B, prompt_tokens, new_tokens, steps, threshold, policy, seed, progress)
     except CloverError as e:
         _fail(e)
     peak, kind = peak_memory(dev)
@@ -311,4 +334,4 @@ def bench(model_path, config_name, random_weights, quant, group_size, device, dt
         click.echo(msg if msg else f"wrote {plot_path}", err=True)
 
 
-__all__ = ["bench", "run_bench", "random_model", "init_random_", "write_plot", "peak_memory"]
+__all__ = ["bench", "run_bench", "bench_context", "random_model", "init_random_", "write_plot", "peak_memory"]

@@ -26,7 +26,7 @@ import click
 
 from ..errors import CloverError, GenerationError
 from ..generation import DoneEvent, GenerationConfig, StepEvent
-from .main import TextStreamer, _decoding_options, _fail, load_with_progress
+from .main import TextStreamer, _decoding_options, _fail, _load_options, load_with_progress
 
 PLACEHOLDER = "\u2591"  # one per masked position of the current block (dim)
 
@@ -150,11 +150,12 @@ class ChatSession:
         cfg = self.config
         if not self.templated:
             cfg = cfg.replace(stop=tuple(cfg.stop) + ("\nUser:",))
-        room = self.engine.config.max_position_embeddings - len(ids)
+        limit = self.engine.context_limit
+        room = limit - len(ids)
         if room < 1:
             raise GenerationError(
-                f"the conversation ({len(ids)} tokens) fills the model's context "
-                f"({self.engine.config.max_position_embeddings} tokens); /reset to start over"
+                f"the conversation ({len(ids)} tokens) fills the model's context ({limit} tokens); /reset to "
+                "start over"
             )
         if cfg.max_new_tokens > room:
             cfg = cfg.replace(max_new_tokens=room)
@@ -601,10 +602,9 @@ def banner(engine) -> str:
               help="Model directory (default: the bundled model).")
 @_decoding_options
 @click.option("--system", default=None, help="System message.")
-@click.option("--device", default="auto", show_default=True)
-@click.option("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU).")
+@_load_options
 @click.option("--plain", is_flag=True, help="Plain text even on a terminal (no colours, no block drawing).")
-def chat(model_path, system, device, dtype, plain, **decoding) -> None:
+def chat(model_path, system, device, dtype, context, plain, **decoding) -> None:
     """Chat with a model. The reply streams as blocks are denoised; /help lists the commands.
 
     On a terminal each block is drawn with a placeholder per masked position that fills in as the denoiser
@@ -612,7 +612,7 @@ def chat(model_path, system, device, dtype, plain, **decoding) -> None:
     replies are written as plain text (statistics on stderr)."""
     interactive = sys.stdin.isatty() and sys.stdout.isatty() and not plain
     try:
-        engine = load_with_progress(model_path, device=device, dtype=dtype)
+        engine = load_with_progress(model_path, device=device, dtype=dtype, context=context)
         decoding["stop"] = tuple(decoding["stop"])
         session = ChatSession(engine, GenerationConfig(**decoding), system)
     except CloverError as e:

@@ -115,6 +115,20 @@ def _decoding_options(f):
     return f
 
 
+def _load_options(f):
+    """Where and how the engine is loaded: shared by run and chat."""
+    options = [
+        click.option("--device", default="auto", show_default=True),
+        click.option("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)."),
+        click.option("--context", type=click.IntRange(min=1), default=None,
+                     help="Positions (prompt + replies) the engine holds [default: on a GPU as many as fit, at most "
+                          "32K; on a CPU the model's limit]."),
+    ]
+    for opt in reversed(options):
+        f = opt(f)
+    return f
+
+
 @main.command()
 @click.argument("prompt")
 @click.option("--model", "-m", "model_path", type=click.Path(), default=None,
@@ -122,17 +136,16 @@ def _decoding_options(f):
 @_decoding_options
 @click.option("--raw", is_flag=True, help="Use the prompt as is, without the chat template.")
 @click.option("--system", default=None, help="System message (chat template only).")
-@click.option("--device", default="auto", show_default=True)
-@click.option("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU).")
+@_load_options
 @click.option("--stats/--no-stats", default=True, show_default=True, help="Print speed statistics to stderr.")
-def run(prompt, model_path, raw, system, device, dtype, stats, **decoding) -> None:
+def run(prompt, model_path, raw, system, device, dtype, context, stats, **decoding) -> None:
     """Generate a reply to PROMPT ('-' reads it from stdin) and stream it to stdout."""
     from ..generation import DoneEvent, StepEvent
 
     if prompt == "-":
         prompt = sys.stdin.read()
     try:
-        engine = load_with_progress(model_path, device=device, dtype=dtype)
+        engine = load_with_progress(model_path, device=device, dtype=dtype, context=context)
         use_chat = not raw and engine.tokenizer is not None and engine.tokenizer.has_chat_template
         if use_chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [

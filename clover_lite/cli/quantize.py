@@ -112,8 +112,9 @@ def eval_cmd(model, reference, text, nsamples, seqlen, seed, device) -> None:
 
     try:
         t = time.perf_counter()
-        engine = load(model, device=device)
-        ref = load(reference, device=device) if reference else None
+        # No decoding here: no CUDA-graph step, nor the cache sized to the free memory it would keep.
+        engine = load(model, device=device, static_step=False)
+        ref = load(reference, device=device, static_step=False) if reference else None
         result = evaluate(engine, ref, text, nsamples=nsamples, seqlen=seqlen, seed=seed)
     except CloverError as e:
         _fail(e)

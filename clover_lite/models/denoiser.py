@@ -148,11 +148,18 @@ class Denoiser(nn.Module):
         return recurrent, conv
 
     # ---- reference path -------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, block_size: int = 1) -> torch.Tensor:
-        """Logits [batch, L, vocab] (fp32) of the whole sequence under the block-causal mask, no cache."""
+    def forward(self, input_ids: torch.Tensor, block_size: int = 1, where: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [batch, L, vocab] (fp32) of the whole sequence under the block-causal mask, no cache.
+        `where` (bool [batch, L]): the logits of those positions only, [n, vocab]; the lm_head runs on them
+        alone (all of a 248K vocabulary for 8 windows of 256 positions would be 2 GB)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         hidden, _ = self._run(input_ids, 0, block_size, None)
+        if where is not None:
+            if where.shape != input_ids.shape or where.dtype != torch.bool:
+                raise ValueError(f"where must be a bool tensor of shape {tuple(input_ids.shape)}, "
+                                 f"got {where.dtype} {tuple(where.shape)}")
+            hidden = hidden[where.to(hidden.device)]
         return self.logits(hidden)
 
     # ---- cached path ----------------------------------------------------------------------------
@@ -202,11 +209,15 @@ class Denoiser(nn.Module):
         return DenoiseCache(self.config, batch=batch, capacity=capacity, device=p.device, dtype=p.dtype)
 
     def num_parameters(self) -> tuple[int, int]:
-        """(total, active per token): active counts top-k routed experts instead of all of them."""
-        total = sum(p.numel() for p in self.parameters())
+        """(total, active per token) of the model the config describes, whatever format holds its weights
+        (INT4 and NF4 modules keep packed buffers, not parameters): counted on a 16-bit one built on the
+        meta device. Active counts top-k routed experts instead of all of them."""
+        with torch.device("meta"):
+            dense = Denoiser(self.config)
+        total = sum(p.numel() for p in dense.parameters())
         c = self.config
         inactive = 0
-        for layer in self.layers:
+        for layer in dense.layers:
             if isinstance(layer.mlp, SparseMoE):
                 per_expert = layer.mlp.experts.gate_up_proj[0].numel() + layer.mlp.experts.down_proj[0].numel()
                 inactive += per_expert * (c.num_experts - c.num_experts_per_tok)

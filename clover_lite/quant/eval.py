@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import Engine
+from ..engine import Engine, on_device
 from ..errors import CloverError
 from .calibration import heldout_texts, read_calibration_file, token_stream
 
@@ -54,6 +54,14 @@ def eval_windows(engine: Engine, text_file: str | None, nsamples: int, seqlen: i
     return ids, masked
 
 
+def _masked_log_probs(engine: Engine, x: torch.Tensor, masked: torch.Tensor, block: int) -> torch.Tensor:
+    """fp32 log-probabilities [n, vocab] (on the CPU) at the masked positions of windows x. With the
+    engine's device current: Triton launches on the current CUDA device (a model on cuda:1 otherwise fails)."""
+    with on_device(engine.device):
+        logits = engine.model(x.to(engine.device), block_size=block, where=masked.to(engine.device))
+    return logits.log_softmax(-1).cpu()
+
+
 @torch.no_grad()
 def evaluate(
     engine: Engine,
@@ -73,12 +81,11 @@ def evaluate(
     n = int(masked.sum())
     for s in range(0, nsamples, batch):
         x, m, y = noisy[s : s + batch], masked[s : s + batch], ids[s : s + batch]
-        logp = engine.model(x.to(engine.device), block_size=block)[m.to(engine.device)].log_softmax(-1).cpu()
+        logp = _masked_log_probs(engine, x, m, block)
         target = y[m]
         nll -= logp.gather(-1, target[:, None]).sum().item()
         if reference is not None:
-            ref = reference.model(x.to(reference.device), block_size=block)[m.to(reference.device)]
-            ref = ref.log_softmax(-1).cpu()
+            ref = _masked_log_probs(reference, x, m, block)
             ref_nll -= ref.gather(-1, target[:, None]).sum().item()
             kl += (ref.exp() * (ref - logp)).sum().item()
             agree += (ref.argmax(-1) == logp.argmax(-1)).sum().item()

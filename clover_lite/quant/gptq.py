@@ -115,7 +115,11 @@ def gptq_quantize(
             else:
                 g = torch.full((B,), col // glen, device=W.device)
                 if col % glen == 0:
-                    current = find_params(torch.cat([W1[:, :, i:], W[:, :, i2:]], 2)[:, :, :glen], spec)
+                    head = W1[:, :, i : i + glen]  # the group's columns as updated so far
+                    if head.shape[2] < glen:  # it runs past the block: those columns lack the block's errors
+                        j2 = i2 + glen - head.shape[2]
+                        head = torch.cat([head, W[:, :, i2:j2] - Err1 @ Hinv[:, i1:i2, i2:j2]], 2)
+                    current = find_params(head, spec)
                     scales[:, col // glen], zeros[:, col // glen] = current
                 scale, zero = current
             g_idx[:, col] = g

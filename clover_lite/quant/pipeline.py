@@ -235,8 +235,10 @@ def quantize_layer(layer: torch.nn.Module, stats: LayerStats, options: QuantizeO
         E, inter, hidden = ex.gate_up_proj.shape[0], ex.gate_up_proj.shape[1] // 2, ex.gate_up_proj.shape[2]
         starved = [e for e in range(E) if stats.expert_in(e).n < options.min_expert_samples]
         fallbacks = [f"layers.{index}.mlp.experts.{e}" for e in starved]
-        H_in = torch.stack([h.H for h in stats.experts_in])  # [E or 1, hidden, hidden]
-        H_down = torch.stack([h.H for h in stats.experts_down])
+        # Hessians stacked a chunk at a time: all 256 of a routed calibration at hidden 2048 are 4 GiB,
+        # and a stack of them would be another 4 GiB on the device.
+        H_in = [h.H for h in stats.experts_in]  # one shared, or one per expert (routed calibration)
+        H_down = [h.H for h in stats.experts_down]
         spec = options.spec
         q = gptq_experts(E, hidden, inter, spec.groups(hidden), spec.groups(inter), options.checkpoint_format)
         q = q.to(device)
@@ -249,7 +251,7 @@ def quantize_layer(layer: torch.nn.Module, stats: LayerStats, options: QuantizeO
             for s in range(0, E, chunk):
                 ids = list(range(s, min(s + chunk, E)))
                 w = w_all[s : s + len(ids)].detach().float()
-                H = H_all if H_all.shape[0] == 1 else H_all[s : s + len(ids)]
+                H = torch.stack(H_all if len(H_all) == 1 else H_all[s : s + len(ids)])
                 qw = quantize_weight(w, H, options)
                 weak = [j for j, e in enumerate(ids) if e in starved]
                 if weak:  # too few calibration samples for a Hessian worth trusting
@@ -430,6 +432,7 @@ def quantize_model(
         fallbacks += layer_fallbacks
         if on_layer:
             on_layer(i, n_layers, {**entry, "seconds": time.perf_counter() - lt})
+        del layer, tensors  # before the next layer is allocated: one layer on the device at a time
 
     # The last shard: embeddings, final norm, lm_head (16-bit unless quantize_lm_head).
     last: dict[str, torch.Tensor] = {}
