@@ -80,10 +80,13 @@ class Engine:
         load_report: LoadReport | None = None,
         context: int | None = None,
         static_step: bool | None = None,
+        static_context: int | None = None,
     ):
-        """`static_step` (default: on CUDA with the Triton kernels) keeps one cache of `context` positions
-        (default: the model's limit, at most 32768) and a CUDA graph of the denoising step for the model's
-        block size, captured here; on a CPU it runs the same static step eagerly (tests)."""
+        """`context`: the most positions (prompt + reply) a generation may use (default: the model's limit).
+        `static_step` (default: on CUDA with the Triton kernels) keeps one cache of `context` positions
+        (default: `static_context`, which load() sets to what fits in free memory, else the model's limit,
+        at most 32768) and a CUDA graph of the denoising step for the model's block size, captured here; on
+        a CPU it runs the same static step eagerly (tests)."""
         self.model = model
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -100,16 +103,22 @@ class Engine:
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._cache, self._static = None, None
+        if context is not None and context < 1:
+            raise CloverError(f"context must be at least 1 position, got {context}")
         self._context = context
+        block = self.default_config.resolved(self.config.block_size).block_size
+        size = context or static_context or min(self.config.max_position_embeddings, 32768)
         if static_step is None:
             static_step = False
-            if self.device.type == "cuda":  # graph.py needs Triton, which CPU-only installs lack
+            if self.device.type == "cuda" and size >= block:  # graph.py needs Triton (CPU-only installs lack it)
                 from .graph import StaticStep
 
-                block = self.default_config.resolved(self.config.block_size).block_size
                 static_step = StaticStep.supported(model, block) is None
         if static_step:
-            self._build_static(context or min(self.config.max_position_embeddings, 32768))
+            if size < block:
+                raise CloverError(f"the static step needs a context of at least one block ({block} positions), "
+                                  f"not {size}")
+            self._build_static(size)
 
     def _build_static(self, context: int) -> None:
         from .graph import StaticStep
@@ -195,9 +204,13 @@ class Engine:
             try:
                 runner = CachedRunner(self.model, cfg.block_size, commit=cfg.commit, cache=self._cache,
                                       static_step=self._static)
+                limit = self.context_limit
                 events = denoise(
                     runner, ids, cfg, self.mask_token_id, self.eos_token_ids,
-                    decode=self.decode, max_length=self.context_limit,
+                    decode=self.decode, max_length=limit,
+                    context_note="" if limit >= self.config.max_position_embeddings else
+                    f" (this engine's; the model's is {self.config.max_position_embeddings}: load with a longer "
+                    "context, --context N, if memory allows)",
                 )
                 try:
                     while True:
@@ -250,16 +263,18 @@ def load(
     config = load_config(model_path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    fits = None
     if check_memory:
         from .planner import check_load
 
         p = check_load(model_path, config, dev, dt, context)
         if context is None and p is not None and dev.type == "cuda":
-            # The engine's cache (and its CUDA graph) is sized once: as long as fits (at least the checked
-            # context, since the check passed), up to 32K by default.
-            context = min(config.max_position_embeddings, 32768, p.max_context(p.target.capacity))
+            # A static step's cache (and its CUDA graph) is sized once: as long as fits (at least the checked
+            # context, since the check passed), up to 32K by default. An eager engine's cache grows instead.
+            fits = min(config.max_position_embeddings, 32768, p.max_context(p.target.capacity))
     model, report = load_model(model_path, config, dev, dt, progress, kernels=kernels)
     tokenizer = None
     if any((model_path / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
         tokenizer = Tokenizer.from_dir(model_path)
-    return Engine(model, tokenizer, model_path, mask_token_id, report, context=context, static_step=static_step)
+    return Engine(model, tokenizer, model_path, mask_token_id, report, context=context, static_step=static_step,
+                  static_context=fits)

@@ -265,9 +265,11 @@ def denoise(
     eos_token_ids: Sequence[int] = (),
     decode: Callable[[list[int]], str] | None = None,
     max_length: int | None = None,
+    context_note: str = "",
 ) -> Iterator[Event]:
     """Generate after `prompt_ids` by block diffusion, yielding an event per step and per block and a
-    final DoneEvent. `cfg` must be resolved (block_size and steps_per_block set)."""
+    final DoneEvent. `cfg` must be resolved (block_size and steps_per_block set). `context_note` follows
+    max_length in the error for a request over it (where that limit comes from)."""
     t0 = time.perf_counter()
     B = cfg.block_size
     P = len(prompt_ids)
@@ -277,7 +279,7 @@ def denoise(
     if max_length is not None and total > max_length:
         raise GenerationError(
             f"prompt ({P} tokens) + max_new_tokens ({cfg.max_new_tokens}) = {total} exceeds the context "
-            f"of {max_length} tokens; shorten the prompt or lower max_new_tokens (or load with a longer context)"
+            f"of {max_length} tokens{context_note}; shorten the prompt or lower max_new_tokens"
         )
     decode = decode or (lambda ids: "")
     eos_ids = set() if cfg.ignore_eos else set(eos_token_ids)

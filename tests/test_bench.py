@@ -80,10 +80,12 @@ def test_bench_times_the_step_the_engine_decodes_with(tiny_dir):
     """`clover run` on a GPU decodes through the engine's CUDA-graph step over its fixed cache: the bench's
     timed steps and its generation go through that same step (here a spy standing in for graph.StaticStep,
     computing what it computes: every block position's logits against the engine's cache)."""
+    import pytest
     import torch
 
     import clover_lite
     from clover_lite.cli.bench import bench_context, run_bench
+    from clover_lite.errors import CloverError
 
     eng = clover_lite.load(tiny_dir, device="cpu")
     eng._cache = eng.model.new_cache(capacity=bench_context(32, 12, 3, 4))
@@ -107,3 +109,7 @@ def test_bench_times_the_step_the_engine_decodes_with(tiny_dir):
     assert report["generation"]["new_tokens"] == 12
     plain = run_bench(clover_lite.load(tiny_dir, device="cpu"), 4, prompt_tokens=32, new_tokens=12, steps=3)
     assert plain["step_kind"] == "eager"
+    # A prompt shorter than a block is one block: counted, so a fixed cache is never grown under its graph.
+    assert bench_context(1, 1, 1, 4) == 4 + 8
+    with pytest.raises(CloverError, match="cache holds 48 positions and this benchmark needs 56"):
+        run_bench(eng, 4, prompt_tokens=32, new_tokens=12, steps=5)

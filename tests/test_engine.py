@@ -100,11 +100,21 @@ def test_context_given_at_load_limits_generations_and_chat(tiny_dir, tiny_engine
     a chat trims its replies to what is left of them, as it must on a GPU, where the cache is sized once."""
     from clover_lite.cli.chat import ChatSession
 
-    assert tiny_engine.context_limit == tiny_engine.config.max_position_embeddings
+    limit = tiny_engine.config.max_position_embeddings
+    assert tiny_engine.context_limit == limit
+    # What fits in free memory sizes a static step's fixed cache only: an eager engine's cache grows.
+    assert clover_lite.Engine(tiny_engine.model, None, static_context=40).context_limit == limit
     eng = clover_lite.load(tiny_dir, device="cpu", context=40)
     assert eng.context_limit == 40
-    with pytest.raises(GenerationError, match="exceeds the context of 40 tokens"):
+    with pytest.raises(GenerationError, match=rf"exceeds the context of 40 tokens \(this engine's; the model's is "
+                                              rf"{limit}: load with a longer context, --context N"):
         eng.generate([1] * 30, max_new_tokens=11)
+    with pytest.raises(GenerationError, match=rf"exceeds the context of {limit} tokens; shorten"):
+        tiny_engine.generate([1] * limit, max_new_tokens=1)
+    with pytest.raises(CloverError, match=r"static step needs a context of at least one block \(4 positions\)"):
+        clover_lite.Engine(tiny_engine.model, None, context=3, static_step=True)
+    with pytest.raises(CloverError, match="context must be at least 1"):
+        clover_lite.Engine(tiny_engine.model, None, context=0)
     assert len(eng.generate([1] * 30, max_new_tokens=10, ignore_eos=True).token_ids) == 10
     ids, cfg = ChatSession(eng, GenerationConfig(max_new_tokens=1000)).request("hi")
     assert cfg.max_new_tokens == 40 - len(ids)

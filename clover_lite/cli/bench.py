@@ -64,9 +64,15 @@ def _summary(seconds: list[float]) -> dict:
             "p90_ms": 1e3 * s[min(len(s) - 1, int(0.9 * len(s)))], "n": len(s)}
 
 
+def _prompt_len(prompt_tokens: int, block_size: int) -> int:
+    """The benchmark's prompt: whole blocks, at least one."""
+    return max(block_size, prompt_tokens // block_size * block_size)
+
+
 def bench_context(prompt_tokens: int, new_tokens: int, steps: int, block_size: int) -> int:
-    """Positions a run of `run_bench` holds at most: the timed steps' commits, or the generation."""
-    return prompt_tokens + new_tokens + (steps + 1) * block_size
+    """Positions a run of `run_bench` holds at most: its prompt, then the timed steps' commits or the
+    generation, whichever is longer."""
+    return _prompt_len(prompt_tokens, block_size) + max(new_tokens, (steps + 1) * block_size)
 
 
 @torch.no_grad()
@@ -85,8 +91,12 @@ def _run_bench(engine, block_size, prompt_tokens, new_tokens, steps, threshold, 
     B = block_size
     static = engine._static if engine._static is not None and engine._static.block_size == B else None
     cache = engine._cache if engine._cache is not None else model.new_cache()
+    need = bench_context(prompt_tokens, new_tokens, steps, B)
+    if engine._cache is not None and need > cache.capacity:  # growing it would move the graph's buffers
+        raise CloverError(f"the engine's cache holds {cache.capacity} positions and this benchmark needs {need}; "
+                          "load it with a longer context")
     gen = torch.Generator().manual_seed(seed)
-    P = max(B, prompt_tokens // B * B)
+    P = _prompt_len(prompt_tokens, B)
 
     def tokens(n: int) -> torch.Tensor:
         ids = torch.randint(0, c.vocab_size - 1, (1, n), generator=gen)

@@ -154,8 +154,7 @@ class ChatSession:
         room = limit - len(ids)
         if room < 1:
             raise GenerationError(
-                f"the conversation ({len(ids)} tokens) fills the model's context ({limit} tokens); /reset to "
-                "start over"
+                f"the conversation ({len(ids)} tokens) fills the context ({limit} tokens); /reset to start over"
             )
         if cfg.max_new_tokens > room:
             cfg = cfg.replace(max_new_tokens=room)
@@ -224,7 +223,7 @@ class ChatSession:
                          f"{tpf:.2f} tokens/forward, {self.total_forwards} forwards")
         used = len(self.prompt_ids("")) if self.messages or self.system else 0
         lines.append(f"conversation: {len(self.messages)} messages, ~{used} of "
-                     f"{self.engine.config.max_position_embeddings} context tokens")
+                     f"{self.engine.context_limit} context tokens")
         return "\n".join(lines)
 
     def command(self, line: str) -> CommandResult:
