@@ -203,6 +203,19 @@ def test_formats_and_nf4_load(src, tmp_path):
     assert json.loads((nf4.out / "quantize_config.json").read_text())["quant_method"] == "nf4"
 
 
+
+def test_nf4_with_lm_head(tmp_path):
+    """NF4 lm_head (quantized on the pipeline's device, saved from the host) loads as an NF4 linear and stays
+    close to the 16-bit model. The vocabulary is padded to a multiple of 8 (the packing needs it)."""
+    pytest.importorskip("bitsandbytes")
+    from clover_lite.models.quantized import NF4Linear
+
+    src = write_tiny_checkpoint(tmp_path / "src", seed=4, vocab_size=264)
+    out = quantize_model(src, tmp_path / "nf4", QuantizeOptions(method="nf4", quantize_lm_head=True, **FAST)).out
+    e = clover_lite.load(out)
+    assert isinstance(e.model.lm_head, NF4Linear)
+    assert evaluate(e, clover_lite.load(src), nsamples=8, seqlen=64).kl < 0.01
+
 MEMORY_SCRIPT = """
 import sys
 import torch

@@ -319,9 +319,10 @@ def bench(model_path, config_name, random_weights, quant, group_size, device, dt
                 cfg = load_config(model_path)
                 B = block_size or cfg.block_size or 4
                 context = bench_context(prompt_tokens, new_tokens, steps, B)
+                # Planned before loading: against the free memory the model will take, not what it leaves.
+                p = plan(model_path, None, context, dev, block_size=B, dtype=resolve_dtype(dtype, dev))
                 engine = load_with_progress(model_path, device=dev, dtype=dtype, context=context)
                 model = engine.model
-                p = plan(model_path, None, context, dev, block_size=B, dtype=model.embed_tokens.weight.dtype)
                 name, label = Path(model_path).name, p.scheme.label()
                 if engine.mask_token_id is None:
                     raise CloverError(f"{model_path}: the model has no mask token; it cannot be benchmarked")

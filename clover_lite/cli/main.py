@@ -121,8 +121,8 @@ def _load_options(f):
         click.option("--device", default="auto", show_default=True),
         click.option("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)."),
         click.option("--context", type=click.IntRange(min=1), default=None,
-                     help="Positions (prompt + replies) the engine holds [default: on a GPU as many as fit, at most "
-                          "32K; on a CPU the model's limit]."),
+                     help="Positions (prompt + replies) the engine holds [default: with the CUDA-graph step (GPU, "
+                          "INT4 experts) as many as fit, at most 32K; otherwise the model's limit]."),
     ]
     for opt in reversed(options):
         f = opt(f)

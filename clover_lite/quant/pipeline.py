@@ -446,7 +446,8 @@ def quantize_model(
         with safe_open(str(info.file), framework="pt", device="cpu") as f:
             last[f"model.{canon}" if canon != "lm_head.weight" else canon] = f.get_tensor(name)
     if options.quantize_lm_head and nf4:
-        last["lm_head.nf4_weight"], last["lm_head.nf4_absmax"] = quantize_nf4(last.pop("lm_head.weight"),
+        # On the device the layers used (bitsandbytes' CPU path is slow on a 248K-row lm_head); results to host.
+        last["lm_head.nf4_weight"], last["lm_head.nf4_absmax"] = quantize_nf4(last.pop("lm_head.weight").to(device),
                                                                               options.nf4_blocksize)
     elif options.quantize_lm_head:
         lm_head_error = _quantize_lm_head(model, ckpt, plans, acts, last, options, device, config)
