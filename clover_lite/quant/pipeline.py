@@ -251,7 +251,7 @@ def quantize_layer(layer: torch.nn.Module, stats: LayerStats, options: QuantizeO
             for s in range(0, E, chunk):
                 ids = list(range(s, min(s + chunk, E)))
                 w = w_all[s : s + len(ids)].detach().float()
-                H = torch.stack(H_all if len(H_all) == 1 else H_all[s : s + len(ids)])
+                H = H_all[0][None] if len(H_all) == 1 else torch.stack(H_all[s : s + len(ids)])  # shared: a view
                 qw = quantize_weight(w, H, options)
                 weak = [j for j, e in enumerate(ids) if e in starved]
                 if weak:  # too few calibration samples for a Hessian worth trusting
