@@ -50,10 +50,14 @@ def check_w4a16(device, gen, smoke) -> str:
     shapes = [(64, 40, 32)] if smoke else [(2048, 512, 128), (512, 2048, 128), (4096, 2048, 128), (2048, 8192, 64)]
     dtypes = [torch.float32] if device.type == "cpu" else [torch.float16, torch.bfloat16]
     worst = 0.0
-    for K, N, G in shapes:
+    # fp32 on a GPU (IEEE dots, the tiny model's path in check_model) at each M bucket's config, and the
+    # tiny model's group of 32
+    cases = [(m, dt) for m in (1, 3, 16, 33, 64) for dt in dtypes]
+    cases += [] if device.type == "cpu" else [(m, torch.float32) for m in (3, 16, 33, 64)]
+    for K, N, G in shapes + ([] if device.type == "cpu" else [(64, 64, 32), (64, 256, 32)]):
         for act_order, fmt in ((False, "gptq"), (True, "gptq_v2")):
             w = _int4(K, N, G, device, gen, act_order=act_order, fmt=fmt)  # packed on the CPU: once per shape
-            for m, dt in ((m, dt) for m in (1, 3, 16, 33, 64) for dt in dtypes):
+            for m, dt in cases:
                 x = torch.randn(m, K, generator=gen).to(device, dt)
                 out = torch.full((m, N), float("nan"), device=device, dtype=dt)
                 w4a16_matmul(x, **w, out=out)
@@ -112,19 +116,46 @@ def check_model(device, gen, smoke) -> str:
         # The path is chosen at load: on CUDA load() captures the step's CUDA graph with it, so
         # switching kernels afterwards would leave generate() replaying the other path's graph.
         ref = clover_lite.load(out, device=device, dtype=torch.float32, kernels="torch")
-        tri = clover_lite.load(out, device=device, dtype=torch.float32, kernels="triton")
+        tri = clover_lite.load(out, device=device, dtype=torch.float32, kernels="triton", static_step=True,
+                               context=64)
         ids = torch.randint(0, 256, (1, 40), generator=gen).to(device)
         with torch.no_grad():
             lr, lt = ref.model(ids, block_size=4).float(), tri.model(ids, block_size=4).float()
         err = ((lt - lr).abs().max() / lr.abs().max()).item()
         a = ref.generate([5, 6, 7, 8, 9], max_new_tokens=16).token_ids
         b = tri.generate([5, 6, 7, 8, 9], max_new_tokens=16).token_ids
+        commit_err = _static_commit_error(tri, ids)
     # The GDN kernel's products run in tf32 on a GPU (~5e-4): logits agree closely, greedy tokens may
     # part at a near-tie, so the logits decide and the tokens are reported.
     if not err < 5e-3:
         raise AssertionError(f"logits differ from the reference: rel err {err:.1e}")
+    if not commit_err < 1e-3:
+        raise AssertionError(f"the captured commit's cache differs from the eager commit's: rel err {commit_err:.1e}")
     same = sum(x == y for x, y in zip(a, b, strict=False))
-    return f"logits rel err {err:.1e}; greedy tokens {'identical' if a == b else f'{same}/{len(a)} equal'}"
+    return (f"logits rel err {err:.1e}; greedy tokens {'identical' if a == b else f'{same}/{len(a)} equal'}; "
+            f"static commit {commit_err:.1e}{'' if tri._static.commit_graph is None else ' (graph)'}")
+
+
+def _static_commit_error(engine, ids) -> float:
+    """The static commit (its CUDA graph on a GPU) against Denoiser.commit after one prefilled block: the
+    largest relative difference over the committed keys and values and the GDN states."""
+    static, model = engine._static, engine.model
+    block = static.block_size
+    mine, theirs = static.cache, model.new_cache(capacity=static.cache.capacity)
+    with torch.no_grad():
+        for c in (mine, theirs):
+            c.reset()
+            model.prefill(ids[:, :block], c, block)
+        static.commit(ids[0, block:2 * block].tolist())
+        model.commit(ids[:, block:2 * block], theirs, block)
+    if mine.length != theirs.length:
+        return float("inf")
+    cfg, n = model.config, 2 * block
+    pairs = [(store_a[i][:, :, :n], store_b[i][:, :, :n]) for i in cfg.attention_layers
+             for store_a, store_b in ((mine.keys, theirs.keys), (mine.values, theirs.values))]
+    pairs += [(x, y) for i in cfg.gdn_layers for x, y in zip(mine.gdn_state(i), theirs.gdn_state(i), strict=True)]
+    return max(((x.float() - y.float()).abs().max() / y.float().abs().max().clamp(min=1e-30)).item()
+               for x, y in pairs)
 
 
 def check_attention(device, gen, smoke) -> str:
@@ -189,8 +220,33 @@ def check_sampling(device, gen, smoke) -> str:
     return "greedy + confidences equal, seeded"
 
 
+def check_norm(device, gen, smoke) -> str:
+    from clover_lite.kernels import dispatch
+    from clover_lite.models.layers import GatedRMSNorm, RMSNorm
+
+    dtypes = [torch.float32] if device.type == "cpu" else [torch.bfloat16, torch.float16, torch.float32]
+    worst = 0.0
+    shapes = [(32, 2048, False), (32 * 16, 256, False), (32 * 32, 128, True), (7, 200, False)]
+    shapes += [(40, 64, False), (40 * 4, 32, False), (40 * 4, 16, True)]  # the tiny model's (fp32 in check_model)
+    for dt in dtypes:
+        for rows, n, gated in shapes:
+            mod = (GatedRMSNorm(n) if gated else RMSNorm(n)).to(device, dt)
+            with torch.no_grad():
+                mod.weight.copy_(torch.randn(n, generator=gen) * 0.5)
+            x = (torch.randn(rows, 2 * n, generator=gen) * 3).to(device, dt)[:, :n]  # strided rows
+            args = (x, torch.randn(rows, n, generator=gen).to(device, dt)) if gated else (x,)
+            mod.backend = "torch"
+            ref = mod(*args).float()
+            dispatch.apply(mod, "triton")
+            err = ((mod(*args).float() - ref).abs().max() / ref.abs().max()).item()
+            worst = max(worst, err)
+            if not err < (1e-5 if dt == torch.float32 else 1e-2):
+                raise AssertionError(f"RMSNorm rows {rows} n {n} gated {gated} {dt}: rel err {err}")
+    return f"max rel err {worst:.1e}"
+
+
 CHECKS = [("w4a16 matmul", check_w4a16), ("fused INT4 MoE", check_moe), ("block attention", check_attention),
-          ("GDN block kernel", check_gdn), ("masked-position sampling", check_sampling),
+          ("GDN block kernel", check_gdn), ("masked-position sampling", check_sampling), ("RMSNorm", check_norm),
           ("tiny model, kernels vs torch", check_model)]
 
 
@@ -207,8 +263,8 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(int(time.time()))  # fresh inputs every run
     t0 = time.time()
     results = []
-    # The checks run the tuning table's configs as they stand: autotuning (dozens of candidate compiles per
-    # shape) would spend minutes of the device budget without checking anything; the benchmarks autotune.
+    # The checks run the tuning table's configs as they stand, even where CLOVER_AUTOTUNE=1 is set:
+    # autotuning (dozens of candidate compiles per shape) would spend minutes of device time checking nothing.
     autotune = os.environ.get("CLOVER_AUTOTUNE")
     os.environ["CLOVER_AUTOTUNE"] = "0"
     for name, fn in CHECKS:
@@ -231,7 +287,7 @@ def main(argv=None) -> int:
         # The kernel table (issue 4's goals) first, with at most 60% of the time left; the step gets the rest.
         # Output streams straight through, so a benchmark stopped at its limit still leaves what it printed.
         runs = [("kernels", [str(HERE / "kernels.py")] + (["--smoke"] if smoke else []), 0.6),
-                ("step", [str(HERE / "step.py"), "--json", str(out / "step.json")]
+                ("step", [str(HERE / "step.py"), "--json", str(out / "step.json"), "--profile", "25"]
                  + (["--contexts", "32", "--reps", "2"] if smoke else []), 1.0)]
         for name, cmd, share in runs:
             left = args.time_limit - 10 - (time.time() - t0)  # 10 s kept for the table

@@ -44,5 +44,6 @@ mkdir -p "$out" benchmarks/out
 timeout 550 python3 benchmarks/gpu_check.py --time-limit 530 "$@" 2>&1 | tee "$out/gpu_check.log"
 rc=${PIPESTATUS[0]}
 [ "$out" != benchmarks/out ] && cp benchmarks/out/kernels.json benchmarks/out/kernels.png benchmarks/out/step.json \
+    benchmarks/out/step.profile.json \
     "$out"/ 2>/dev/null
 exit "$rc"

@@ -13,7 +13,7 @@ and replayed, the kernel time alone as the captured denoising step pays it. Band
 ratio against 16-bit matmul come from graph times; NF4 (bitsandbytes) is timed eagerly only, and its
 ratio is eager against eager. "x tile" (M > 4): the GEMM with its weight tile unpacked to [BK, BN] (an
 int-to-float conversion and a shared-memory store per weight) over the nibble planes, both at the tuning
-table's config (the int4 column may use an autotuned one).
+table's config (the int4 column too, unless CLOVER_AUTOTUNE=1).
 
     python benchmarks/kernels.py                         # on a GPU: full table, JSON and PNG in benchmarks/out
     python benchmarks/kernels.py --smoke                 # tiny shapes; runs anywhere (CPU: Triton interpreter)

@@ -172,20 +172,27 @@ def measure(model, cache, static, context: int, block: int, mask_id: int, reps: 
             parts.append(comp)
             hooked.append(t1 - t0)
     timer.close()
-    graph = []
-    if static is not None:  # the same step through the static (CUDA-graph) path
+    graph, graph_commits = [], []
+    if static is not None:  # the same step and commit through the static (CUDA-graph) path
         for i in range(reps + 2):
             sync(device)
             t0 = time.perf_counter()
             logits = static(masked)
             chooser(logits[0, positions], confidence="prob", banned_token_id=mask_id)
             sync(device)
+            t1 = time.perf_counter()
+            static.commit(final)
+            sync(device)
+            t2 = time.perf_counter()
+            undo_commit()
             if i >= 2:
-                graph.append(time.perf_counter() - t0)
+                graph.append(t1 - t0)
+                graph_commits.append(t2 - t1)
     med = statistics.median
     return {
         "context": context, "step_ms": 1e3 * med(steps), "commit_ms": 1e3 * med(commits),
         "graph_step_ms": 1e3 * med(graph) if graph else None,
+        "graph_commit_ms": 1e3 * med(graph_commits) if graph_commits else None,
         **{f"{k}_ms": 1e3 * med(p[k] for p in parts) for k in COMPONENTS},
         "lm_head_sampling_ms": 1e3 * med(heads),
         "prefill_peak_bytes": prefill_peak,
@@ -193,6 +200,34 @@ def measure(model, cache, static, context: int, block: int, mask_id: int, reps: 
         "layers": {k: sum(1 for t in c.layer_types if (t == "full_attention") == (k == "attention"))
                    for k in ("attention", "GDN")},
     }
+
+
+def kernel_profile(fn, device: torch.device) -> list[dict]:
+    """GPU time per kernel over one call of fn (torch.profiler's CUDA activity; a graph replay's kernels are
+    listed one by one), most time first: what a step spends where, launch gaps excluded. On a CPU, the
+    self time of each operator."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = device.type == "cuda"
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+        fn()
+        sync(device)
+    field = "self_device_time_total" if gpu else "self_cpu_time_total"
+    rows = [{"kernel": e.key, "calls": e.count, "us": getattr(e, field)}
+            for e in prof.key_averages() if getattr(e, field, 0) > 0]
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def print_profile(title: str, rows: list[dict], top: int) -> None:
+    total = sum(r["us"] for r in rows)
+    calls = sum(r["calls"] for r in rows)
+    print(f"\n{title}: {calls} kernels, {total / 1e3:.2f} ms of device time")
+    print(f"{'us':>9} {'share':>6} {'calls':>6} {'us/call':>8}  kernel")
+    for r in rows[:top]:
+        print(f"{r['us']:>9.0f} {100 * r['us'] / total:>5.1f}% {r['calls']:>6} {r['us'] / r['calls']:>8.1f}  "
+              f"{r['kernel'][:90]}")
 
 
 def main(argv=None) -> int:
@@ -203,6 +238,9 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the table, the N kernels taking most device time in one static step, one static "
+                         "commit (CUDA graphs on a GPU) and one eager step, at the last context")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
@@ -227,8 +265,8 @@ def main(argv=None) -> int:
     mode = "CUDA graph" if static is not None and static.graph is not None else (
         "static step, eager" if static is not None else f"none ({StaticStep.supported(model, block)})")
     print(f"{name} ({quant}) on {card}, block {block}, copy bandwidth {bw / 1e9:.0f} GB/s; graph column: {mode}")
-    print(f"{'context':>8} {'step ms':>8} {'graph ms':>9} {'commit ms':>10} {'attn':>7} {'GDN':>7} {'MoE':>7} "
-          f"{'head+samp':>10} {'floor ms':>9} {'outside':>8} {'graph out':>9}", flush=True)
+    print(f"{'context':>8} {'step ms':>8} {'graph ms':>9} {'commit ms':>10} {'graph cm':>9} {'attn':>7} {'GDN':>7} "
+          f"{'MoE':>7} {'head+samp':>10} {'floor ms':>9} {'outside':>8} {'graph out':>9}", flush=True)
     rows = []
     for n in contexts:  # each row printed and saved as it is measured: a run stopped early keeps what it did
         r = measure(model, cache, static, n, block, mask_id, args.reps, device)
@@ -242,14 +280,37 @@ def main(argv=None) -> int:
         r["graph_outside_weight_reads"] = None if g is None else max(0.0, 1 - floor / (g / 1e3))
         rows.append(r)
         graph = f"{g:>9.2f}" if g is not None else f"{'-':>9}"
+        gc = r["graph_commit_ms"]
+        graph_commit = f"{gc:>9.2f}" if gc is not None else f"{'-':>9}"
         g_out = r["graph_outside_weight_reads"]
         g_out = f"{100 * g_out:>8.0f}%" if g_out is not None else f"{'-':>9}"
-        print(f"{r['context']:>8} {r['step_ms']:>8.2f} {graph} {r['commit_ms']:>10.2f} {r['attention_ms']:>7.2f} "
-              f"{r['GDN_ms']:>7.2f} {r['MoE_ms']:>7.2f} {r['lm_head_sampling_ms']:>10.2f} {r['weight_floor_ms']:>9.3f} "
+        print(f"{r['context']:>8} {r['step_ms']:>8.2f} {graph} {r['commit_ms']:>10.2f} {graph_commit} "
+              f"{r['attention_ms']:>7.2f} {r['GDN_ms']:>7.2f} {r['MoE_ms']:>7.2f} {r['lm_head_sampling_ms']:>10.2f} "
+              f"{r['weight_floor_ms']:>9.3f} "
               f"{100 * r['outside_weight_reads']:>7.0f}% {g_out}", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps({"config": name, "quant": quant, "card": card, "block": block,
                                                    "copy_GBps": bw / 1e9, "graph": mode, "rows": rows}, indent=2))
+    if args.profile:
+        masked = torch.full((1, block), mask_id, device=device)
+        final = torch.randint(0, mask_id, (1, block), device=device)
+        profiles = {}
+        with torch.no_grad():
+            if static is not None:
+                profiles["step (static)"] = kernel_profile(lambda: static(masked), device)
+                length = cache.length
+
+                def commit_and_undo():  # the GDN states it overwrites are irrelevant to the timing
+                    static.commit(final)
+                    cache.length = length
+
+                profiles["commit (static)"] = kernel_profile(commit_and_undo, device)
+            profiles["step (eager)"] = kernel_profile(
+                lambda: model.logits(model._run(masked, cache.length, None, cache, need_states=False)[0]), device)
+        for title, prof in profiles.items():
+            print_profile(f"{title} at context {cache.length}", prof, args.profile)
+        if args.json:
+            Path(args.json).with_suffix(".profile.json").write_text(json.dumps(profiles, indent=2))
     for r in rows:
         if r["prefill_peak_bytes"] is not None:
             print(f"prefill to {r['context']}: transient peak {r['prefill_peak_bytes'] / 2**30:.2f} GiB, planner's "

@@ -208,7 +208,10 @@ class CachedRunner:
 
     @torch.no_grad()
     def commit(self, block: Sequence[int]) -> None:
-        self.model.commit(self._ids(block), self.cache, self.block_size, updates=self._last_updates)
+        if self.static is not None and len(block) == self.block_size and self.cache.length % self.block_size == 0:
+            self.static.commit(block)  # a full block of the grid: the captured commit
+        else:
+            self.model.commit(self._ids(block), self.cache, self.block_size, updates=self._last_updates)
         self._last_updates = None
 
 

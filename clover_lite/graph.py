@@ -5,9 +5,13 @@ graph removes their launch cost (shared DESIGN.md section 4). Capturing needs a 
 for the device and never changes shape: the block's token ids and the committed length live in device
 buffers, attention reads the cache's whole buffers with the length read by the kernel, GDN layers read
 the committed state in place, MoE layers take their no-padding GEMV path (fixed (token, expert) pairs),
-and the logits of every block position are produced (the caller keeps the masked rows). The same
-`forward` runs eagerly where there is no CUDA (tests check it against the reference step); commits stay
-eager. Needs the Triton backend (the reference MoE and attention are not capture-safe).
+and the logits of every block position are produced (the caller keeps the masked rows). A full block's
+commit is captured too, as a second graph: the same forward with the GDN states computed, its keys and
+values written at the device-side length (index_copy_) and the states copied into the cache; it cost an
+eager forward per block, ~5 graph steps at Clover on an H200 (benchmarks/RESULTS.md). The same `forward`
+runs eagerly where there is no CUDA (tests check it against the reference step and commit); prefill and a
+final partial block commit eagerly. Needs the Triton backend (the reference MoE and attention are not
+capture-safe).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .cache import DenoiseCache
+from .cache import AttentionUpdate, DenoiseCache, LayerUpdate
 from .kernels.configs import ATTENTION_MAX_BLOCK_LEN as MAX_BLOCK_LEN
 from .models.denoiser import Denoiser
 from .models.moe import SparseMoE
@@ -57,50 +61,93 @@ class StaticStep:
                                               block_size, c.head_dim, dtype, device)
         self.experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.commit_graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
     @torch.no_grad()
-    def forward(self) -> torch.Tensor:
-        """Logits [1, block, vocab] (fp32) of the block in self.ids after self.length committed positions."""
+    def forward(self, commit: bool = False) -> torch.Tensor | None:
+        """Logits [1, block, vocab] (fp32) of the block in self.ids after self.length committed positions; or,
+        with `commit`, that block appended to the cache (its keys and values at self.length, the GDN states
+        after it), as Denoiser.commit does, and None."""
         m, cache = self.model, self.cache
-        # Only here (warm-up, capture, eager runs), never in prefill or commit: the MoE's GEMV path for every
-        # block, a fixed number of (token, expert) pairs (the padded path sizes its buffers on the host).
+        # Only here (warm-up, capture, eager runs), never in prefill or an eager commit: the MoE's GEMV path
+        # for every block, a fixed number of (token, expert) pairs (the padded path sizes its buffers on the
+        # host).
         for e in self.experts:
             e.graph_safe = True
         try:
             x = m.embed_tokens(self.ids)
-            cos, sin = m.rotary(self.length.long() + self.offsets)
+            positions = self.length.long() + self.offsets
+            cos, sin = m.rotary(positions)
+            last = len(m.layers) - 1
             for i, layer in enumerate(m.layers):
                 attn = layer.kind == "full_attention"
-                x, _ = layer(x, cos, sin, None, (cache.keys[i], cache.values[i]) if attn else None,
-                             None if attn else cache.gdn_state(i), need_state=False,
-                             past_len=self.length if attn else None, num_splits=self.num_splits)
-            return m.logits(x)
+                args = (x, cos, sin, None, (cache.keys[i], cache.values[i]) if attn else None,
+                        None if attn else cache.gdn_state(i))
+                kw = dict(need_state=commit, past_len=self.length if attn else None, num_splits=self.num_splits)
+                if commit and i == last:  # the last MLP feeds only the logits
+                    _, update = layer.mix(*args, **kw)
+                else:
+                    x, update = layer(*args, **kw)
+                if commit:
+                    self._write(i, update, positions)
+            return None if commit else m.logits(x)
         finally:
             for e in self.experts:
                 e.graph_safe = False
 
+    def _write(self, i: int, update: LayerUpdate, positions: torch.Tensor) -> None:
+        """Layer i's update into the cache in place (DenoiseCache.apply, with the positions on the device).
+        Each layer reads only its own cache entries, and before this write."""
+        c = self.cache
+        if isinstance(update, AttentionUpdate):
+            c.keys[i].index_copy_(2, positions, update.k.to(c.keys[i].dtype))
+            c.values[i].index_copy_(2, positions, update.v.to(c.values[i].dtype))
+        else:
+            c.recurrent[i].copy_(update.recurrent)
+            c.conv[i].copy_(update.conv)
+
     def capture(self) -> None:
-        """Warm up (kernel selection and autotuning happen outside the graph), then capture, with the
-        model's device current: streams and Triton's launches follow the current device, not the tensors."""
+        """Warm up (kernel selection and autotuning happen outside the graphs), then capture the step and the
+        commit, with the model's device current: streams and Triton's launches follow the current device,
+        not the tensors. The commit's warm-ups write the cache: it is reset after them."""
         with torch.cuda.device(self.ids.device):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
                     self.forward()
+                    self.forward(commit=True)
             torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
+            self.graph, self.commit_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             # On our stream: torch.cuda.graph's default capture stream is made once per process, on the
             # device current then, and entering it would switch a second engine on another GPU to that one.
             with torch.cuda.graph(self.graph, stream=stream):
                 self.logits = self.forward()
+            with torch.cuda.graph(self.commit_graph, stream=stream):
+                self.forward(commit=True)
+        self.cache.reset()
+
+    def _load(self, block_ids: Sequence[int] | torch.Tensor) -> None:
+        self.ids.copy_(torch.as_tensor(block_ids, dtype=torch.long).view(1, -1))  # one host-to-device copy
+        self.length.fill_(self.cache.length)
 
     def __call__(self, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """block_ids (block,) or [1, block] -> logits [1, block, vocab] for the cache's current length."""
-        self.ids.copy_(torch.as_tensor(block_ids, dtype=torch.long).view(1, -1))  # one host-to-device copy
-        self.length.fill_(self.cache.length)
+        self._load(block_ids)
         if self.graph is not None:
             self.graph.replay()
             return self.logits
         return self.forward()
+
+    def commit(self, block_ids: Sequence[int] | torch.Tensor) -> None:
+        """Append one full block at the cache's length (Denoiser.commit for a block of the grid)."""
+        if self.cache.length + self.block_size > self.cache.capacity:
+            raise ValueError(f"the cache holds {self.cache.capacity} positions: no room for a block after "
+                             f"{self.cache.length}")
+        self._load(block_ids)
+        if self.commit_graph is not None:
+            self.commit_graph.replay()
+        else:
+            self.forward(commit=True)
+        self.cache.length += self.block_size

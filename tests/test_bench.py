@@ -89,7 +89,7 @@ def test_bench_times_the_step_the_engine_decodes_with(tiny_dir):
 
     eng = clover_lite.load(tiny_dir, device="cpu")
     eng._cache = eng.model.new_cache(capacity=bench_context(32, 12, 3, 4))
-    lengths = []
+    lengths, commits = [], []
 
     class SpyStep:
         block_size, graph = 4, None
@@ -99,6 +99,10 @@ def test_bench_times_the_step_the_engine_decodes_with(tiny_dir):
             ids = torch.as_tensor(block_ids).view(1, -1)
             return eng.model.step(ids, eng._cache, torch.arange(ids.shape[1]))[0]
 
+        def commit(self, block_ids):  # graph.StaticStep.commit: a full block at a block boundary
+            commits.append(eng._cache.length)
+            eng.model.commit(torch.as_tensor(block_ids).view(1, -1), eng._cache, 4)
+
     eng._static = SpyStep()
     report = run_bench(eng, 4, prompt_tokens=32, new_tokens=12, steps=3)
     assert report["step_kind"] == "static, eager" and report["step"]["n"] == 3
@@ -107,6 +111,8 @@ def test_bench_times_the_step_the_engine_decodes_with(tiny_dir):
     assert len(lengths) - 4 == report["generation"]["forwards"]  # every denoising step of the generation
     assert eng._cache.capacity == bench_context(32, 12, 3, 4)  # never grown: a graph points at its buffers
     assert report["generation"]["new_tokens"] == 12
+    # The generation's finished blocks are committed through the static step too (its commit graph on a GPU).
+    assert commits and all(n % 4 == 0 and n >= 32 for n in commits)
     plain = run_bench(clover_lite.load(tiny_dir, device="cpu"), 4, prompt_tokens=32, new_tokens=12, steps=3)
     assert plain["step_kind"] == "eager"
     # A prompt shorter than a block is one block: counted, so a fixed cache is never grown under its graph.

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from .host_sync import HostSyncTrap
@@ -72,7 +73,8 @@ def test_kernel_benchmark_and_gpu_check_smoke(tmp_path, monkeypatch):
     assert saved[0] == 0 and saved[-1] == len(data["dense"])  # the MoE timed with every dense row on disk
     check = runpy.run_path(str(BENCH / "gpu_check.py"), run_name="bench")
     # The whole-model check is covered by tests/test_kernels_model.py; here the per-kernel checks.
-    assert check["main"](["--smoke", "--no-bench", "--checks", "matmul", "MoE", "attention", "GDN", "sampling"]) == 0
+    checks = ["matmul", "MoE", "attention", "GDN", "sampling", "RMSNorm"]
+    assert check["main"](["--smoke", "--no-bench", "--checks", *checks]) == 0
 
 
 def test_gpu_session_script_runs_its_check(tmp_path):
@@ -86,6 +88,23 @@ def test_gpu_session_script_runs_its_check(tmp_path):
     log = (tmp_path / "gpu_check.log").read_text()
     assert "ok  masked-position sampling" in log and "error" not in log.lower()
     assert "torch" in (tmp_path / "machine.txt").read_text()
+
+
+def test_sweep_scores_every_candidate_against_the_tables_entry(tmp_path):
+    """benchmarks/sweep.py end to end on the interpreter: each GEMM candidate is checked against the reference
+    and timed on every shape, its score is the step's calls summed, and the table's entry is among them."""
+    out = tmp_path / "sweep.json"
+    r = subprocess.run([sys.executable, str(BENCH / "sweep.py"), "--smoke", "--no-moe", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (g,) = json.loads(out.read_text())["gemm"]
+    assert len(g["results"]) == 3 and g["table_step_s"] is not None
+    shapes = {"tiny a": 2, "tiny b": 1}
+    for res in g["results"]:
+        assert set(res["per_shape_s"]) == set(shapes)
+        assert res["step_s"] == pytest.approx(sum(res["per_shape_s"][k] * n for k, n in shapes.items()))
+    assert [x["step_s"] for x in g["results"]] == sorted(x["step_s"] for x in g["results"])
+    assert "wrong result" not in r.stderr and "failed" not in r.stderr
 
 
 def test_step_benchmark_runs(tmp_path, monkeypatch):
@@ -128,12 +147,19 @@ def test_step_benchmark_through_the_kernels_and_the_static_step(tmp_path, monkey
     out = tmp_path / "step.json"
     monkeypatch.setenv("CLOVER_KERNELS", "triton")
     monkeypatch.setattr(sys, "argv", ["step.py", "--quant", "int4", "--contexts", "9", "--reps", "1",
-                                      "--json", str(out)])
+                                      "--json", str(out), "--profile", "4"])
     assert runpy.run_path(str(BENCH / "step.py"), run_name="bench")["main"]() == 0
     data = json.loads(out.read_text())
     assert data["graph"] == "static step, eager"
     (r,) = data["rows"]
-    assert r["graph_step_ms"] > 0 and 0 <= r["graph_outside_weight_reads"] <= 1
+    assert r["graph_step_ms"] > 0 and r["graph_commit_ms"] > 0 and 0 <= r["graph_outside_weight_reads"] <= 1
+    # --profile: operators by self time (kernels on a GPU) for the static step and commit and the eager step
+    profiles = json.loads(out.with_suffix(".profile.json").read_text())
+    assert list(profiles) == ["step (static)", "commit (static)", "step (eager)"]
+    assert all(p and p[0]["us"] >= p[-1]["us"] > 0 and p[0]["calls"] >= 1 for p in profiles.values())
+    # the commit writes keys and values at the device-side length, which the step never does
+    assert any("index_copy" in p["kernel"] for p in profiles["commit (static)"])
+    assert not any("index_copy" in p["kernel"] for p in profiles["step (static)"])
 
 
 def test_kernels_compile_for_a_gpu_target():

@@ -279,10 +279,37 @@ def test_every_tuning_config_fits_its_architecture():
                     g = configs.for_gathered_groups(a, arch, fused)
                     assert g.block_k >= 16 and 128 % g.block_k == 0, (arch, m, fused, g)
                     assert g.smem_bytes(gathered=True, fused=fused) <= configs.SMEM_LIMIT[arch], (arch, m, fused, g)
-        gv = configs.GEMV_TABLE[arch]
-        assert min(gv.block_n, gv.block_k) >= 16 and gv.smem_bytes() <= configs.SMEM_LIMIT[arch]
+        for gv in (configs.gemv_config(arch), configs.gemv_config(arch, moe=True)):
+            assert min(gv.block_n, gv.block_k) >= 16 and 128 % gv.block_k == 0, (arch, gv)
+            assert gv.smem_bytes() <= configs.SMEM_LIMIT[arch], (arch, gv)
+    assert set(configs.MOE_GEMV_TABLE) <= set(configs.GEMV_TABLE)
     assert configs.arch_of((8, 6)) == "sm_86" and configs.arch_of((9, 0)) == "sm_90"
     assert configs.arch_of((8, 7)) == "sm_80"  # an unknown minor falls back within its major
+
+
+def test_gemm_takes_the_configs_choice_of_nibble_planes(monkeypatch):
+    """A config's `planes` picks the GEMM's weight path (sm_90's M <= 64 entry takes the unpacked tile) and the
+    `planes` argument overrides it; both paths give the float64 result."""
+    from clover_lite.kernels import w4a16
+
+    launched = []
+    real = w4a16._gemm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append(kw["PLANES"])
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(w4a16, "_gemm_kernel", Spy())
+    t, w = random_int4(256, 24, 128)
+    x = torch.randn(5, 256, generator=GEN)
+    for planes, arg, want in ((True, None, True), (False, None, False), (True, False, False), (False, True, True)):
+        y = gemm(x, Int4Weights(**t), config=configs.GemmConfig(16, 32, 128, 1, 4, 1, planes), planes=arg)
+        assert launched[-1] is want
+        torch.testing.assert_close(y.double(), x.double() @ w.t(), atol=1e-4, rtol=1e-4)
+    assert configs.gemm_config("sm_90", 64).planes is False and configs.gemm_config("sm_90", 32).planes
 
 
 @pytest.mark.parametrize("n,want", [(248320, 1), (8192, 4), (2048, 4), (512, 4)])

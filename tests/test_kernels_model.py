@@ -50,9 +50,10 @@ def test_sampling_with_kernels_is_seeded(tiny_dir):
 
 
 def test_static_step_equals_the_step_and_generation(tiny2_dir, tmp_path):
-    """The CUDA-graph step (static shapes, cache length read on the device) run eagerly here: its logits equal
-    the dynamic step's at several cache lengths, it never waits for the device (which capture forbids), and
-    a generation through it equals the reference's."""
+    """The CUDA-graph step and commit (static shapes, cache length read on the device) run eagerly here: the
+    step's logits equal the dynamic step's at several cache lengths, the commit leaves the cache as the
+    reference commit does, neither waits for the device (which capture forbids), and a generation through
+    them equals the reference's."""
     from clover_lite.graph import StaticStep
     from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
 
@@ -72,6 +73,21 @@ def test_static_step_equals_the_step_and_generation(tiny2_dir, tmp_path):
             ref.model.prefill(ids[:, :n], cache, 4)
             dynamic, _ = ref.model.step(ids[:, n:], cache)
             torch.testing.assert_close(static, dynamic[0], atol=1e-4, rtol=1e-4)
+            # The captured commit: the block's keys and values land at the device-side length and the GDN
+            # states advance as the reference commit's, and nothing past the block is written.
+            before = [k.clone() for k in eng._cache.keys if k is not None]
+            with HostSyncTrap():
+                eng._static.commit(ids[0, n:].tolist())
+            ref.model.commit(ids[:, n:], cache, 4)
+            assert eng._cache.length == cache.length == n + 4
+            for i in ref.model.config.attention_layers:
+                for mine, theirs in ((eng._cache.keys[i], cache.keys[i]), (eng._cache.values[i], cache.values[i])):
+                    torch.testing.assert_close(mine[:, :, : n + 4], theirs[:, :, : n + 4], atol=1e-4, rtol=1e-4)
+            rest = [k[:, :, n + 4:] for k in eng._cache.keys if k is not None]
+            assert all(torch.equal(a[:, :, n + 4:], b) for a, b in zip(before, rest, strict=True))
+            for i in ref.model.config.gdn_layers:
+                for mine, theirs in zip(eng._cache.gdn_state(i), cache.gdn_state(i), strict=True):
+                    torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
     # The forced GEMV MoE path is the static step's alone: prefill and commit keep the shape-based choice.
     assert eng._static.experts and not any(e.graph_safe for e in eng._static.experts)
     assert "up to 64" in StaticStep.supported(eng.model, 65)  # longer blocks: the eager step

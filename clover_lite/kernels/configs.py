@@ -5,8 +5,11 @@ INT4 weights: the work is weight-bandwidth bound, so tiles are chosen to stream 
 enough programs in flight (split-K when M is small), not for MMA efficiency (shared DESIGN.md section 4).
 Rules the test suite checks for every entry: tile dims >= 16 (tl.dot), BLOCK_K a power of two that
 divides 128 (so a tile never straddles a GPTQ group of 32/64/128), and the shared memory estimate
-within the architecture's limit. On a GPU, `autotune_configs` offers the neighbours of an entry to
-Triton's autotuner; under the interpreter a single config is used.
+within the architecture's limit. The sm_90 entries are what benchmarks/sweep.py measured fastest on an
+H200 (benchmarks/RESULTS.md, 2026-12-04). With CLOVER_AUTOTUNE=1, `autotune_configs` offers the neighbours of
+an entry to an autotuner on the GPU; it is off by default, since it times one weight set that stays in L2
+and so picked configs slower than the table's for weights read from memory (same RESULTS.md section).
+Under the interpreter a single config is used.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    planes: bool = True  # dot the weights as 8 nibble planes where the tile allows (no g_idx, BLOCK_K >= 128)
 
     def smem_bytes(self, act_bytes: int = 2, gathered: bool = False, fused: bool = False) -> int:
         """Pipelined loads per stage (activation tile [BM, BK], packed weights [BK/8, BN] int32) plus one
@@ -63,8 +67,8 @@ class GemvConfig:
         return self.num_stages * (self.block_k * act_bytes + self.block_k * self.block_n // 2)
 
 
-def _gemm(bm: int, bn: int, bk: int, sk: int, w: int, st: int) -> GemmConfig:
-    return GemmConfig(bm, bn, bk, sk, w, st)
+def _gemm(bm: int, bn: int, bk: int, sk: int, w: int, st: int, planes: bool = True) -> GemmConfig:
+    return GemmConfig(bm, bn, bk, sk, w, st, planes)
 
 
 # (arch, M bucket) -> GEMM config. Small M: narrow N tiles and split-K so that even a 2048 x 512 expert
@@ -81,11 +85,15 @@ GEMM_TABLE: dict[str, dict[int, GemmConfig]] = {
               32: _gemm(32, 64, 128, 2, 4, 3), 64: _gemm(64, 64, 64, 2, 4, 2), 1 << 30: _gemm(64, 128, 32, 1, 8, 2)},
     "sm_89": {1: _gemm(16, 64, 128, 4, 4, 2), 4: _gemm(16, 64, 128, 4, 4, 2), 16: _gemm(16, 64, 128, 4, 4, 2),
               32: _gemm(32, 64, 128, 2, 4, 3), 64: _gemm(64, 64, 64, 2, 4, 2), 1 << 30: _gemm(64, 128, 32, 1, 8, 2)},
-    "sm_90": {1: _gemm(16, 128, 128, 4, 4, 4), 4: _gemm(16, 128, 128, 4, 4, 4), 16: _gemm(16, 128, 128, 4, 4, 4),
-              32: _gemm(32, 128, 128, 2, 4, 3), 64: _gemm(64, 128, 128, 2, 8, 3),
+    # sm_90, measured on an H200 (benchmarks/sweep.py, 2026-12-04; time of one Clover step's dense INT4 calls):
+    # M <= 16 3.31 -> 3.12 ms, M <= 32 5.54 -> 3.78 ms (split up to 4, not 2), M <= 64 8.84 -> 3.49 ms (the
+    # unpacked tile, 64 columns, 4 warps: planes at 64 rows ran 2-2.5x slower). 64-column tiles won by < 1%
+    # at M <= 16/32 but ran the lm_head 1.4x slower. sm_100 copies sm_90 (unmeasured).
+    "sm_90": {1: _gemm(16, 128, 128, 4, 4, 3), 4: _gemm(16, 128, 128, 4, 4, 3), 16: _gemm(16, 128, 128, 4, 4, 3),
+              32: _gemm(32, 128, 128, 4, 4, 3), 64: _gemm(64, 64, 128, 4, 4, 3, planes=False),
               1 << 30: _gemm(128, 128, 64, 1, 8, 3)},
-    "sm_100": {1: _gemm(16, 128, 128, 4, 4, 4), 4: _gemm(16, 128, 128, 4, 4, 4), 16: _gemm(16, 128, 128, 4, 4, 4),
-               32: _gemm(32, 128, 128, 2, 4, 3), 64: _gemm(64, 128, 128, 2, 8, 3),
+    "sm_100": {1: _gemm(16, 128, 128, 4, 4, 3), 4: _gemm(16, 128, 128, 4, 4, 3), 16: _gemm(16, 128, 128, 4, 4, 3),
+               32: _gemm(32, 128, 128, 4, 4, 3), 64: _gemm(64, 64, 128, 4, 4, 3, planes=False),
                1 << 30: _gemm(128, 128, 64, 1, 8, 3)},
     "sm_120": {1: _gemm(16, 64, 128, 4, 4, 2), 4: _gemm(16, 64, 128, 4, 4, 2), 16: _gemm(16, 64, 128, 4, 4, 2),
                32: _gemm(32, 64, 128, 2, 4, 3), 64: _gemm(64, 64, 64, 2, 4, 2), 1 << 30: _gemm(64, 128, 32, 1, 8, 2)},
@@ -97,6 +105,13 @@ GEMV_TABLE: dict[str, GemvConfig] = {
     "sm_90": GemvConfig(128, 128, 4, 3, split_k=16),
     "sm_100": GemvConfig(128, 128, 4, 3, split_k=16),
     "sm_120": GemvConfig(64, 128, 4, 2, split_k=16),
+}
+# The MoE's GEMV (one program per (token, expert) pair and column tile), where it differs from GEMV_TABLE:
+# on an H200 at a 32-token block (163 experts touched) every tile, K step and stage count tried ran within 3%
+# of each other at 2 warps, and 2 warps ran 10% faster than 4 (fused MoE 227 us against 251 us,
+# benchmarks/sweep.py, 2026-12-04).
+MOE_GEMV_TABLE: dict[str, GemvConfig] = {
+    "sm_90": GemvConfig(64, 128, 2, 4, split_k=16),
 }
 # GEMV programs in flight per SM that the split aims at. Its loads are plain (not cp.async pipelined): a
 # program has one [BK/8, BN] tile of words in flight (8 KB at 128 x 128), and an H200 needs about 25 KB in
@@ -116,6 +131,10 @@ def arch_of(capability: tuple[int, int]) -> str:
         return key
     same = sorted(k for k in GEMM_TABLE if k.startswith(f"sm_{capability[0]}"))
     return same[0] if same else "sm_80"
+
+
+def gemv_config(arch: str, moe: bool = False) -> GemvConfig:
+    return MOE_GEMV_TABLE.get(arch, GEMV_TABLE[arch]) if moe else GEMV_TABLE[arch]
 
 
 def gemm_config(arch: str, m: int) -> GemmConfig:
@@ -163,7 +182,7 @@ def autotune_configs(arch: str, m: int, base: GemmConfig | None = None) -> list[
     for bn in (64, 128):
         for sk in (1, 2, 4, 8):
             for st in (2, 3, 4):
-                c = GemmConfig(base.block_m, bn, base.block_k, sk, base.num_warps, st)
+                c = GemmConfig(base.block_m, bn, base.block_k, sk, base.num_warps, st, base.planes)
                 if c not in out and c.smem_bytes() <= SMEM_LIMIT[arch]:
                     out.append(c)
     return out

@@ -488,8 +488,8 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
          tile_expert: torch.Tensor | None = None, row_scale: torch.Tensor | None = None, n_rows: int | None = None,
          config: configs.GemmConfig | None = None, planes: bool | None = None) -> torch.Tensor:
     """out [n_rows, N] = x[rows] @ W_e (per tile expert), optionally silu(x W) * (x W2) and * row_scale.
-    `planes`: dot the packed words as 8 nibble planes (default wherever possible: no g_idx, K tile >= 128);
-    False keeps the unpacked [BK, BN] tile, which benchmarks/kernels.py times side by side."""
+    `planes`: dot the packed words as 8 nibble planes (default: the config's choice, where possible: no g_idx,
+    K tile >= 128); False keeps the unpacked [BK, BN] tile, which benchmarks/kernels.py times side by side."""
     _check_x(x, w)
     _check_pair(w, w2)
     cdt = _compute_dtype(x)
@@ -499,7 +499,7 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
     arch = _arch(x.device)
     if cfg is None:
         cfg = fill_split(gemm_config_for(x.device, M), M, w.N, x.device)
-        if arch is not None and os.environ.get("CLOVER_AUTOTUNE", "1") == "1":
+        if arch is not None and os.environ.get("CLOVER_AUTOTUNE", "0") == "1":
             bucket = next(b for b in configs.M_BUCKETS if M <= b)
             key = (x.device.index, bucket, w.N, w.K, w2 is not None, w.g_idx is not None, rows is not None, planes)
             cfg = autotune(key, configs.autotune_configs(arch, M, base=cfg),
@@ -522,7 +522,7 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
         HAS_ROWS=rows is not None, HAS_EXPERTS=tile_expert is not None, HAS_GIDX=w.g_idx is not None,
         FUSE_GATE_UP=w2 is not None, HAS_ROW_SCALE=row_scale is not None, DOT_IEEE=cdt == torch.float32,
-        PLANES=w.g_idx is None and bk >= 128 and planes is not False,
+        PLANES=w.g_idx is None and bk >= 128 and (cfg.planes if planes is None else planes),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out[0] if split == 1 else out.sum(0)).to(x.dtype)
@@ -530,15 +530,16 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
 
 def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: torch.Tensor | None = None,
          row_expert: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
-         n_rows: int | None = None, config: configs.GemvConfig | None = None) -> torch.Tensor:
-    """out [n_rows, N]: row p = x[rows[p]] @ W_{row_expert[p]}, optionally fused gate/up and row scale."""
+         n_rows: int | None = None, config: configs.GemvConfig | None = None, moe: bool = False) -> torch.Tensor:
+    """out [n_rows, N]: row p = x[rows[p]] @ W_{row_expert[p]}, optionally fused gate/up and row scale.
+    `moe`: the table's MoE entry (configs.MOE_GEMV_TABLE) instead of the dense one."""
     _check_x(x, w)
     _check_pair(w, w2)
     cdt = _compute_dtype(x)
     xc = x.to(cdt)
     P = n_rows if n_rows is not None else x.shape[0]
     arch = _arch(x.device)
-    cfg = config or (configs.INTERPRET_GEMV if arch is None else configs.GEMV_TABLE[arch])
+    cfg = config or (configs.INTERPRET_GEMV if arch is None else configs.gemv_config(arch, moe))
     if config is None and arch is not None:
         programs = P * triton.cdiv(w.N, cfg.block_n)
         cfg = configs.gemv_split_to_fill(cfg, programs, w.K, _sm_count(x.device.index or 0))

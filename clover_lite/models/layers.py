@@ -10,6 +10,8 @@ from torch import nn
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32. Qwen3.5/Qwen3-Next store the weight zero-centred and scale by (1 + w)."""
 
+    backend = "torch"  # "triton" once kernels.apply chose it: one kernel (kernels/norm.py) instead of ~9
+
     def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = True):
         super().__init__()
         self.eps = eps
@@ -17,6 +19,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "triton":
+            from ..kernels.norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, self.unit_offset)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         w = self.weight.float()
@@ -26,12 +32,18 @@ class RMSNorm(nn.Module):
 class GatedRMSNorm(nn.Module):
     """RMSNorm of the GDN output followed by a SiLU gate: w * norm(x) * silu(z) (norm before gate)."""
 
+    backend = "torch"
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.backend == "triton":
+            from ..kernels.norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, unit_offset=False, gate=gate)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
