@@ -287,7 +287,7 @@ def main(argv=None) -> int:
         # The kernel table (issue 4's goals) first, with at most 60% of the time left; the step gets the rest.
         # Output streams straight through, so a benchmark stopped at its limit still leaves what it printed.
         runs = [("kernels", [str(HERE / "kernels.py")] + (["--smoke"] if smoke else []), 0.6),
-                ("step", [str(HERE / "step.py"), "--json", str(out / "step.json"), "--profile", "25"]
+                ("step", [str(HERE / "step.py"), "--json", str(out / "step.json"), "--profile", "25", "--memory"]
                  + (["--contexts", "32", "--reps", "2"] if smoke else []), 1.0)]
         for name, cmd, share in runs:
             left = args.time_limit - 10 - (time.time() - t0)  # 10 s kept for the table

@@ -110,7 +110,8 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 @torch.no_grad()
-def measure(model, cache, static, context: int, block: int, mask_id: int, reps: int, device) -> dict:
+def measure(model, cache, static, context: int, block: int, mask_id: int, reps: int, device,
+            memory: bool = False) -> dict:
     c = model.config
     gen = torch.Generator().manual_seed(context)
     ids = torch.randint(0, mask_id, (1, context), generator=gen).to(device)
@@ -119,8 +120,16 @@ def measure(model, cache, static, context: int, block: int, mask_id: int, reps: 
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         held = torch.cuda.memory_allocated(device)
+    if memory and device.type == "cuda":  # what the prefill's peak is made of (the planner's estimate, main)
+        torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=1_000_000)
     model.prefill(ids, cache, block, chunk_tokens=PREFILL_CHUNK)
     prefill_peak = torch.cuda.max_memory_allocated(device) - held if device.type == "cuda" else None
+    prefill_memory = None
+    if memory and device.type == "cuda":
+        trace = torch.cuda.memory._snapshot()["device_traces"][device.index or 0]
+        torch.cuda.memory._record_memory_history(enabled=None)
+        traced_peak, largest = peak_allocations(trace)
+        prefill_memory = {"traced_peak_bytes": traced_peak, "largest_at_peak": largest}
     masked = torch.full((1, block), mask_id, device=device)
     positions = torch.arange(block, device=device)
     final = torch.randint(0, mask_id, (1, block), generator=gen).to(device)
@@ -196,10 +205,36 @@ def measure(model, cache, static, context: int, block: int, mask_id: int, reps: 
         **{f"{k}_ms": 1e3 * med(p[k] for p in parts) for k in COMPONENTS},
         "lm_head_sampling_ms": 1e3 * med(heads),
         "prefill_peak_bytes": prefill_peak,
+        "prefill_memory": prefill_memory,
         "split_pass_ms": 1e3 * med(hooked),  # the forward the components were timed in (without the head)
         "layers": {k: sum(1 for t in c.layer_types if (t == "full_attention") == (k == "attention"))
                    for k in ("attention", "GDN")},
     }
+
+
+def peak_allocations(trace: list[dict], top: int = 12) -> tuple[int, list[dict]]:
+    """Replays a CUDA allocator trace (torch.cuda.memory._snapshot()["device_traces"][i]: alloc and
+    free_completed events with address, size and Python frames): the most bytes that allocations made during
+    the trace held at once, and the largest of them live at that moment, each with the first clover_lite
+    frame that made it. Blocks allocated before the trace began are not counted."""
+    live: dict[int, dict] = {}
+    held = peak = 0
+    at_peak: list[dict] = []
+    for ev in trace:
+        if ev.get("action") == "alloc":
+            live[ev["addr"]] = ev
+            held += ev["size"]
+            if held > peak:
+                peak, at_peak = held, list(live.values())
+        elif ev.get("action") == "free_completed" and ev.get("addr") in live:
+            held -= live.pop(ev["addr"])["size"]
+    rows = []
+    for ev in sorted(at_peak, key=lambda e: -e["size"])[:top]:
+        frames = ev.get("frames") or []
+        ours = next((f for f in frames if "clover_lite" in f.get("filename", "")), frames[0] if frames else {})
+        where = f"{Path(ours.get('filename', '?')).name}:{ours.get('line', '?')} {ours.get('name', '')}".strip()
+        rows.append({"bytes": ev["size"], "where": where})
+    return peak, rows
 
 
 def kernel_profile(fn, device: torch.device) -> list[dict]:
@@ -238,6 +273,9 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json")
+    ap.add_argument("--memory", action="store_true",
+                    help="CUDA: record the allocator during each prefill and list the largest allocations live at "
+                         "its peak, with the line that made each (slower prefill)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the table, the N kernels taking most device time in one static step, one static "
                          "commit (CUDA graphs on a GPU) and one eager step, at the last context")
@@ -269,7 +307,7 @@ def main(argv=None) -> int:
           f"{'MoE':>7} {'head+samp':>10} {'floor ms':>9} {'outside':>8} {'graph out':>9}", flush=True)
     rows = []
     for n in contexts:  # each row printed and saved as it is measured: a run stopped early keeps what it did
-        r = measure(model, cache, static, n, block, mask_id, args.reps, device)
+        r = measure(model, cache, static, n, block, mask_id, args.reps, device, memory=args.memory)
         floor = weight_read_bytes(config, quant, block, n, "bf16" if gpu else "fp32") / bw
         r["weight_floor_ms"] = 1e3 * floor
         r["prefill_workspace_estimate_bytes"] = planner.workspace_bytes(
@@ -315,6 +353,12 @@ def main(argv=None) -> int:
         if r["prefill_peak_bytes"] is not None:
             print(f"prefill to {r['context']}: transient peak {r['prefill_peak_bytes'] / 2**30:.2f} GiB, planner's "
                   f"estimate {r['prefill_workspace_estimate_bytes'] / 2**30:.2f} GiB")
+            mem = r.get("prefill_memory")
+            if mem:
+                print(f"  allocations made during it: {mem['traced_peak_bytes'] / 2**30:.2f} GiB at their peak; "
+                      "the largest then:")
+                for a in mem["largest_at_peak"]:
+                    print(f"  {a['bytes'] / 2**20:>10.1f} MiB  {a['where']}")
     return 0
 
 

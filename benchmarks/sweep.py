@@ -6,7 +6,8 @@ For each M bucket asked for, the dense GEMM's candidates (BLOCK_N, BLOCK_K, warp
 planes or the unpacked tile) are timed on those shapes as kernels.py times (weights rotated over 4x the L2,
 the calls replayed from a CUDA graph), each checked against the dequantized reference on its first call;
 a candidate's score is its time summed over one step's calls. Stages are swept second, for the best few.
-The fused MoE's GEMV (M = 32 tokens, top-8 of 256 experts) is swept the same way. The table's entry is timed
+The fused MoE's GEMV (M = 32 tokens, top-8 of 256 experts) is swept the same way, each candidate's output
+checked against the table entry's. The table's entry is timed
 beside the winners; nothing is changed here: copy what wins into kernels/configs.py with the date and card.
 
     python benchmarks/sweep.py --ms 32 16 64 --time-limit 300 --json benchmarks/out/sweep.json
@@ -187,11 +188,19 @@ def sweep_moe(m, device, dtype, reps, deadline, smoke, arch) -> dict:
     saved = dict(configs.MOE_GEMV_TABLE)
     results = []
 
+    def moe(w, ids):
+        return fused_moe(x, w, ids, gate, up, down, gemv_max_rows=1 << 30, validate=False)
+
+    ref = moe(*routings[0]).float()  # the table's entry (gpu_check checks it against the dequantized experts)
+
     def run(cfg):
         configs.MOE_GEMV_TABLE[key] = cfg
         try:
-            calls = [lambda w=w, ids=ids: fused_moe(x, w, ids, gate, up, down, gemv_max_rows=1 << 30, validate=False)
-                     for w, ids in routings]
+            err = ((moe(*routings[0]).float() - ref).abs().max() / ref.abs().max()).item()
+            if not err < (1e-3 if dtype == torch.float32 else 2e-2):
+                print(f"  MoE wrong result ({err:.1e}): {cfg}", file=sys.stderr)
+                return None
+            calls = [lambda w=w, ids=ids: moe(w, ids) for w, ids in routings]
             return kernel_seconds(calls, device, reps)
         except Exception as e:  # noqa: BLE001
             print(f"  MoE failed: {cfg}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)

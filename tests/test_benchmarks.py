@@ -107,6 +107,31 @@ def test_sweep_scores_every_candidate_against_the_tables_entry(tmp_path):
     assert "wrong result" not in r.stderr and "failed" not in r.stderr
 
 
+def test_peak_allocations_replays_an_allocator_trace():
+    """step.py --memory: the peak of what the traced allocations held, and which were live then, biggest first,
+    each named by its first clover_lite frame; frees of blocks from before the trace are not counted."""
+    peak_allocations = runpy.run_path(str(BENCH / "step.py"), run_name="bench")["peak_allocations"]
+
+    def frame(name, line):
+        return [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+                {"filename": f"/x/clover_lite/models/{name}.py", "line": line, "name": "forward"}]
+
+    mib = 1 << 20
+    trace = [{"action": "free_completed", "addr": 99, "size": 500 * mib},  # allocated before the trace
+             {"action": "alloc", "addr": 1, "size": 100 * mib, "frames": frame("moe", 10)},
+             {"action": "alloc", "addr": 2, "size": 300 * mib, "frames": frame("attention", 20)},
+             {"action": "free_requested", "addr": 2, "size": 300 * mib},  # still held until completed
+             {"action": "alloc", "addr": 3, "size": 50 * mib, "frames": []},
+             {"action": "free_completed", "addr": 2, "size": 300 * mib},
+             {"action": "alloc", "addr": 4, "size": 200 * mib, "frames": frame("gdn", 30)},
+             {"action": "free_completed", "addr": 1, "size": 100 * mib}]
+    peak, rows = peak_allocations(trace)
+    assert peak == 450 * mib  # 100 + 300 + 50, before the 300 went back; 100 + 50 + 200 later is less
+    assert [r["bytes"] for r in rows] == [300 * mib, 100 * mib, 50 * mib]
+    assert rows[0]["where"] == "attention.py:20 forward" and rows[1]["where"] == "moe.py:10 forward"
+    assert peak_allocations(trace, top=1)[1] == rows[:1] and peak_allocations([]) == (0, [])
+
+
 def test_step_benchmark_runs(tmp_path, monkeypatch):
     """Rows for each context; every repetition starts from the prefilled state (a commit overwrites the
     GDN states in place, so putting back the length alone would let each repetition see a later state)."""

@@ -335,6 +335,38 @@ def _gemv_kernel(
     tl.store(out, res.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def _sum_splits_kernel(src_ptr, dst_ptr, n_out, N, SPLITS, s_split, GATED: tl.constexpr, BLOCK: tl.constexpr):
+    """dst [M, N] = the fp32 partials src [SPLITS, M, N] summed, in dst's dtype. GATED: src rows hold the gate's
+    and the up projection's partials side by side ([SPLITS, M, 2N]) and dst = silu(gate) * up of the sums."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_out
+    src = offs
+    if GATED:
+        src = (offs // N) * (2 * N) + offs % N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(src_ptr + s * s_split + src, mask=mask, other=0.0)
+        if GATED:
+            acc2 += tl.load(src_ptr + s * s_split + src + N, mask=mask, other=0.0)
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc2
+    tl.store(dst_ptr + offs, acc.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def _sum_splits(partials: torch.Tensor, n: int, dtype: torch.dtype, gated: bool = False) -> torch.Tensor:
+    """[splits, M, N (2N gated)] fp32 partials -> [M, N] in dtype, in one launch (a sum and a cast in torch were
+    two, after each of a step's 250 split GEMMs on an H200; benchmarks/RESULTS.md)."""
+    m = partials.shape[1]
+    out = torch.empty(m, n, device=partials.device, dtype=dtype)
+    if out.numel():
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(out.numel(), block),)](
+            partials, out, out.numel(), n, partials.shape[0], partials.stride(0), GATED=gated, BLOCK=block)
+    return out
+
+
 # ---- launchers ---------------------------------------------------------------------------------------
 class Int4Weights:
     """GPTQ tensors of one linear ([K/8, N] ...) or a stack of experts ([E, K/8, N] ...), validated."""
@@ -525,7 +557,7 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         PLANES=w.g_idx is None and bk >= 128 and (cfg.planes if planes is None else planes),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return (out[0] if split == 1 else out.sum(0)).to(x.dtype)
+    return (out[0] if split == 1 else _sum_splits(out, w.N, cdt)).to(x.dtype)
 
 
 def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: torch.Tensor | None = None,
@@ -566,10 +598,7 @@ def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
     )
     if split == 1:
         return out[0].to(x.dtype)
-    y = out.sum(0)
-    if fused:  # SiLU is not linear: applied once the splits are summed
-        y = torch.nn.functional.silu(y[:, : w.N]) * y[:, w.N:]
-    return y.to(x.dtype)
+    return _sum_splits(out, w.N, cdt, gated=fused).to(x.dtype)  # SiLU is not linear: after the sum
 
 
 def w4a16_matmul(
