@@ -93,19 +93,27 @@ class DenoiseCache:
         """Pre-allocate room for `total_length` positions (the engine does this once per generation)."""
         self._reserve(total_length)
 
+    def write(self, layer: int, update: LayerUpdate, positions: torch.Tensor) -> None:
+        """One layer's update into the buffers in place: its keys and values at `positions` (a device tensor,
+        so a CUDA graph can capture the write: graph.StaticStep's commit), the GDN states replaced. The
+        length is the caller's to advance."""
+        if isinstance(update, AttentionUpdate):
+            self.keys[layer].index_copy_(2, positions, update.k.to(self.dtype))
+            self.values[layer].index_copy_(2, positions, update.v.to(self.dtype))
+        elif isinstance(update, GDNUpdate):
+            self.recurrent[layer].copy_(update.recurrent)
+            self.conv[layer].copy_(update.conv)
+
     def apply(self, updates: list[LayerUpdate | None], n_tokens: int) -> None:
         """Append `n_tokens` committed positions: their KV and the GDN states after them."""
         start = self.length
         self._reserve(start + n_tokens)
+        positions = torch.arange(start, start + n_tokens, device=self.device)
         for i, u in enumerate(updates):
-            if isinstance(u, AttentionUpdate):
-                if u.k.shape[2] != n_tokens:
-                    raise ValueError(f"layer {i}: update holds {u.k.shape[2]} positions, expected {n_tokens}")
-                self.keys[i][:, :, start : start + n_tokens] = u.k
-                self.values[i][:, :, start : start + n_tokens] = u.v
-            elif isinstance(u, GDNUpdate):
-                self.recurrent[i].copy_(u.recurrent)
-                self.conv[i].copy_(u.conv)
+            if isinstance(u, AttentionUpdate) and u.k.shape[2] != n_tokens:
+                raise ValueError(f"layer {i}: update holds {u.k.shape[2]} positions, expected {n_tokens}")
+            if u is not None:
+                self.write(i, u, positions)
         self.length = start + n_tokens
 
     def reset(self) -> None:

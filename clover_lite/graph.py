@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .cache import AttentionUpdate, DenoiseCache, LayerUpdate
+from .cache import DenoiseCache
 from .kernels.configs import ATTENTION_MAX_BLOCK_LEN as MAX_BLOCK_LEN
 from .models.denoiser import Denoiser
 from .models.moe import SparseMoE
@@ -89,23 +89,12 @@ class StaticStep:
                     _, update = layer.mix(*args, **kw)
                 else:
                     x, update = layer(*args, **kw)
-                if commit:
-                    self._write(i, update, positions)
+                if commit:  # each layer reads only its own cache entries, and before this write
+                    cache.write(i, update, positions)
             return None if commit else m.logits(x)
         finally:
             for e in self.experts:
                 e.graph_safe = False
-
-    def _write(self, i: int, update: LayerUpdate, positions: torch.Tensor) -> None:
-        """Layer i's update into the cache in place (DenoiseCache.apply, with the positions on the device).
-        Each layer reads only its own cache entries, and before this write."""
-        c = self.cache
-        if isinstance(update, AttentionUpdate):
-            c.keys[i].index_copy_(2, positions, update.k.to(c.keys[i].dtype))
-            c.values[i].index_copy_(2, positions, update.v.to(c.values[i].dtype))
-        else:
-            c.recurrent[i].copy_(update.recurrent)
-            c.conv[i].copy_(update.conv)
 
     def capture(self) -> None:
         """Warm up (kernel selection and autotuning happen outside the graphs), then capture the step and the
