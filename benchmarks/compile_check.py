@@ -27,6 +27,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from clover_lite.kernels import attention as attn_k  # noqa: E402
 from clover_lite.kernels import configs  # noqa: E402
 from clover_lite.kernels import gdn as gdn_k  # noqa: E402
+from clover_lite.kernels import moe_gemv as gemv_k  # noqa: E402
+from clover_lite.kernels import moe_route as route_k  # noqa: E402
 from clover_lite.kernels import sampling as samp_k  # noqa: E402
 from clover_lite.kernels import w4a16 as w4_k  # noqa: E402
 
@@ -155,7 +157,8 @@ def cases(arch: str, quick: bool):
                 fused = flags["FUSE_GATE_UP"]
                 g = configs.for_gathered_groups(c, arch, fused) if gidx else c  # as the launcher adjusts it
                 consts = dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_GIDX=gidx, DOT_IEEE=False,
-                              PLANES=not gidx and g.block_k >= 128, **flags)  # as the launcher sets it
+                              PLANES=not gidx and g.block_k >= 128, PARTIAL=g.split_k > 1 and not fused,
+                              **flags)  # as the launcher sets it (the MoE's gate/up: no split)
                 out = "*fp32" if g.split_k > 1 and not fused else act
                 yield (f"w4a16 gemm M<={m} {label}{' g_idx' if gidx else ''}", w4_k._gemm_kernel,
                        int4_pointers(act, out), consts, g.num_warps, g.num_stages,
@@ -168,6 +171,25 @@ def cases(arch: str, quick: bool):
                       EVEN_K=True)
         yield (f"w4a16 gemv{label}", w4_k._gemv_kernel, int4_pointers(act, "*fp32" if partial else act), consts,
                g.num_warps, g.num_stages, g.smem_bytes())
+    # The MoE GEMV with two pairs of an expert per program (moe_gemv.py), at the MoE table's tile.
+    g = configs.gemv_config(arch, moe=True)
+    for label, fused in ((" gate/up", True), (" down", False)):
+        consts = dict(BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_ROWS=fused, FUSE_GATE_UP=fused,
+                      HAS_ROW_SCALE=not fused, PARTIAL=not fused, EVEN_K=True)
+        ptrs = int4_pointers(act, "*fp32" if not fused else act)
+        ptrs.update(expert_ptr="*i32", rank_ptr="*i32", count_ptr="*i32")
+        yield (f"moe grouped gemv{label}", gemv_k._grouped_gemv_kernel, ptrs, consts, g.num_warps, g.num_stages,
+               g.smem_bytes())
+    # The MoE's routing glue (moe_route.py), at Clover's 256 experts, top-8, 2048 columns.
+    yield ("moe route top-k", route_k._topk_softmax_kernel, {"logits_ptr": act, "w_ptr": act, "ids_ptr": "*i64"},
+           dict(K=8, NORMALIZE=True, BLOCK_T=1, BLOCK_E=256, BLOCK_K=8), 1, 1, None)
+    yield ("moe route sort", route_k._sort_pairs_kernel,
+           {"ids_ptr": "*i64", "w_ptr": act, **{n: "*i32" for n in ("pos_ptr", "expert_ptr", "token_ptr", "rank_ptr",
+                                                                   "count_ptr")}},
+           dict(BLOCK_I=128, BLOCK_J=128), 4, 1, None)
+    yield ("moe route combine", route_k._combine_kernel,
+           {"y_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": act, "add_ptr": act, "logit_ptr": act},
+           dict(K=8, HAS_ADD=True, BLOCK_T=1, BLOCK_N=1024), 4, 1, None)
     for write in (False, True):
         t, v = configs.GDN_BLOCK_T, configs.GDN_BLOCK_V
         consts = dict(BLOCK_T=t, BLOCK_K=128, BLOCK_V=v, LOG2_T=t.bit_length() - 1, WRITE_STATE=write,

@@ -93,13 +93,78 @@ def check_moe(device, gen, smoke) -> str:
         x = torch.randn(T, H, generator=gen).to(device)
         logits = torch.randn(T, E, generator=gen).to(device)
         w, ids = torch.topk(torch.softmax(logits, -1), k)
-        out = fused_moe(x.to(dt), w.to(dt), ids, *(Int4Weights(**ws[p]) for p in ("gate", "up", "down")))
         ref = dispatch(x.to(dt).float(), w.to(dt).float(), ids, E, expert)
-        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-        worst[dt] = max(worst.get(dt, 0.0), err)
-        if not err < (1e-3 if dt == torch.float32 else 2e-2):
-            raise AssertionError(f"fused MoE T={T} {dt}: rel err {err}")
-    return "max rel err " + ", ".join(f"{v:.1e} ({str(d).removeprefix('torch.')})" for d, v in worst.items())
+        # The table's MoE GEMV, then two pairs of an expert per program (moe_gemv.py) on the GEMV path.
+        for grouped in (False, True) if T <= 64 else (False,):
+            with _moe_gemv_rows(device, 2 if grouped else None):
+                out = fused_moe(x.to(dt), w.to(dt), ids, *(Int4Weights(**ws[p]) for p in ("gate", "up", "down")))
+            err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+            key = (dt, grouped)
+            worst[key] = max(worst.get(key, 0.0), err)
+            if not err < (1e-3 if dt == torch.float32 else 2e-2):
+                raise AssertionError(f"fused MoE T={T} {dt}{' 2 pairs/program' if grouped else ''}: rel err {err}")
+    return "max rel err " + ", ".join(f"{v:.1e} ({str(d).removeprefix('torch.')}{', 2 pairs' if g else ''})"
+                                      for (d, g), v in worst.items())
+
+
+class _moe_gemv_rows:
+    """Within: the MoE GEMV config with `rows` pairs per program (None: the table as it stands)."""
+
+    def __init__(self, device, rows):
+        from dataclasses import replace
+
+        from clover_lite.kernels import configs
+
+        self.configs, self.rows = configs, rows
+        self.key = None if device.type == "cpu" else configs.arch_of(torch.cuda.get_device_capability(device))
+        self.saved = (dict(configs.MOE_GEMV_TABLE), configs.INTERPRET_MOE_GEMV)
+        self.replace = replace
+
+    def __enter__(self):
+        c = self.configs
+        if self.rows is None:
+            return
+        if self.key is None:
+            c.INTERPRET_MOE_GEMV = self.replace(c.INTERPRET_MOE_GEMV, rows=self.rows)
+        else:  # 64 x 128 at 4 warps: a tile that compiles without spilling (benchmarks/compile_check.py)
+            c.MOE_GEMV_TABLE[self.key] = c.GemvConfig(64, 128, 4, 2, split_k=16, rows=self.rows)
+
+    def __exit__(self, *exc):
+        self.configs.MOE_GEMV_TABLE.clear()
+        self.configs.MOE_GEMV_TABLE.update(self.saved[0])
+        self.configs.INTERPRET_MOE_GEMV = self.saved[1]
+
+
+def check_moe_route(device, gen, smoke) -> str:
+    """Router top-k, the sort of the pairs by expert and the combine (moe_route.py) against torch."""
+    from clover_lite.kernels.moe_route import combine, sort_pairs, sort_pairs_reference, topk_softmax
+
+    E, k, H = (16, 2, 64) if smoke else (256, 8, 2048)
+    worst_w = worst_c = 0.0
+    ties = 0
+    for T in (1, 5, 32, 64) if not smoke else (3, 9):
+        dt = torch.float32 if device.type == "cpu" else torch.bfloat16
+        logits = torch.randn(T, E, generator=gen).to(device, dt)
+        w, ids = topk_softmax(logits, k, True, dt)
+        ref_w, ref_ids = torch.topk(torch.softmax(logits, -1, dtype=torch.float32), k)
+        ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+        same = (ids.sort(-1).values == ref_ids.sort(-1).values).all(-1)
+        ties += int((~same).sum())  # a bf16 tie at the k-th place may be broken either way
+        if same.any():
+            worst_w = max(worst_w, (w[same].float() - ref_w[same]).abs().max().item())
+        pairs, ref = sort_pairs(ids, w, E), sort_pairs_reference(ids, w, E)
+        for f in ("expert", "token", "scale", "position", "rank", "count"):
+            if not torch.equal(getattr(pairs, f), getattr(ref, f)):
+                raise AssertionError(f"sort_pairs T={T}: {f} differs from torch's sort")
+        y = torch.randn(3, T * k, H, generator=gen).to(device)
+        out = combine(y, pairs.position, k, dt)
+        want = y.sum(0)[pairs.position.long()].view(T, k, H).sum(1)
+        worst_c = max(worst_c, ((out.float() - want).abs().max() / want.abs().max()).item())
+    if not worst_w < 1e-2 or not worst_c < 1e-2:
+        raise AssertionError(f"routing weights err {worst_w:.1e}, combine err {worst_c:.1e}")
+    if ties > 1:
+        raise AssertionError(f"{ties} tokens chose other experts than torch.topk")
+    return f"weights {worst_w:.1e}, sort exact, combine {worst_c:.1e}, ties {ties}"
 
 
 def check_model(device, gen, smoke) -> str:
@@ -245,7 +310,8 @@ def check_norm(device, gen, smoke) -> str:
     return f"max rel err {worst:.1e}"
 
 
-CHECKS = [("w4a16 matmul", check_w4a16), ("fused INT4 MoE", check_moe), ("block attention", check_attention),
+CHECKS = [("w4a16 matmul", check_w4a16), ("fused INT4 MoE", check_moe), ("MoE routing", check_moe_route),
+          ("block attention", check_attention),
           ("GDN block kernel", check_gdn), ("masked-position sampling", check_sampling), ("RMSNorm", check_norm),
           ("tiny model, kernels vs torch", check_model)]
 

@@ -180,9 +180,14 @@ def sweep_moe(m, device, dtype, reps, deadline, smoke, arch) -> dict:
     key = arch or "sm_90"
     base = configs.gemv_config(key, moe=True)
     if smoke:
-        cands = [configs.GemvConfig(32, 32, 4, 1, 16), configs.GemvConfig(64, 32, 4, 1, 16)]
+        cands = [configs.GemvConfig(32, 32, 4, 1, 16), configs.GemvConfig(64, 32, 4, 1, 16),
+                 configs.GemvConfig(32, 32, 4, 1, 16, rows=2)]
     else:
         cands = [configs.GemvConfig(bn, bk, w, 2, 16) for bn in (64, 128, 256) for bk in (64, 128) for w in (2, 4, 8)]
+        # Two pairs of an expert per program (kernels/moe_gemv.py): the tiles that compiled for sm_90 without
+        # spilling (benchmarks/compile_check.py; 64 x 128 at 2 warps spilled 880 bytes).
+        cands += [configs.GemvConfig(bn, bk, w, 2, 16, rows=2)
+                  for bn, bk, w in ((32, 128, 2), (64, 64, 2), (64, 128, 4), (128, 64, 4), (128, 128, 8))]
     if base is not None and base not in cands:
         cands.insert(0, base)
     saved = dict(configs.MOE_GEMV_TABLE)
@@ -289,8 +294,8 @@ def main(argv=None) -> int:
                   f"{(moe['table_s'] or float('nan')) * 1e6:.1f} us")
             for x in moe["results"][:6]:
                 c = x["config"]
-                print(f"  BN {c['block_n']:>3} BK {c['block_k']:>3} w{c['num_warps']} st{c['num_stages']}  "
-                      f"{x['s'] * 1e6:7.1f} us")
+                print(f"  BN {c['block_n']:>3} BK {c['block_k']:>3} w{c['num_warps']} st{c['num_stages']} "
+                      f"{'2 pairs' if c['rows'] == 2 else '1 pair '}  {x['s'] * 1e6:7.1f} us")
         if not smoke and r["results"] and deadline.left() > 20:
             top = [(configs.GemmConfig(**x["config"]), x["planes"]) for x in r["results"][:3]]
             entry = (configs.GemmConfig(**r["table"]), r["table_planes"])

@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from clover_lite.kernels import configs, dispatch  # noqa: E402
+from clover_lite.kernels import configs, dispatch, moe_gemv  # noqa: E402
 from clover_lite.kernels.moe import fused_moe  # noqa: E402
 from clover_lite.kernels.w4a16 import Int4Weights, _biased_planes16, _nibble_planes, gemm, gemv, w4a16_matmul  # noqa: E402
 from clover_lite.models.moe import dispatch as moe_reference  # noqa: E402
@@ -68,13 +68,21 @@ def test_w4a16_matmul_matches_float64(M, dtype, variant):
 
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("act_order", [False, True])
-def test_gemm_tiles_ragged_k_and_split_k(split_k, act_order):
-    # Tiles wider than N and K (BLOCK_K 64 over K = 96: the second tile is ragged) and split-K.
+@pytest.mark.parametrize("fused", [False, True])
+def test_gemm_tiles_ragged_k_and_split_k(split_k, act_order, fused):
+    # Tiles wider than N and K (BLOCK_K 64 over K = 96: the second tile is ragged) and split-K; fused
+    # SiLU(gate) * up, whose split-K partials hold both sums (SiLU after the sum).
     t, w = random_int4(96, 24, -1 if not act_order else 32, act_order=act_order)
     cfg = configs.GemmConfig(16, 64, 64, split_k, 4, 1)
     x = torch.randn(21, 96, generator=GEN)
-    y = gemm(x, Int4Weights(**t), config=cfg)
-    torch.testing.assert_close(y.double(), x.double() @ w.t(), atol=1e-4, rtol=1e-4)
+    if fused:
+        t2, w2 = random_int4(96, 24, -1 if not act_order else 32, g_idx=t["g_idx"][None] if act_order else None)
+        y = gemm(x, Int4Weights(**t), Int4Weights(**t2), config=cfg)
+        ref = torch.nn.functional.silu(x.double() @ w.t()) * (x.double() @ w2.t())
+    else:
+        y = gemm(x, Int4Weights(**t), config=cfg)
+        ref = x.double() @ w.t()
+    torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("K,group,split", [(256, 128, 1), (200, -1, 1), (384, -1, 2), (512, 256, 3)])
@@ -245,6 +253,90 @@ def test_fused_moe_both_paths_agree():
     torch.testing.assert_close(tiled_path.double(), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("split, E, k, T, variant", [
+    (1, 8, 2, 30, "sym"), (2, 8, 2, 40, "asym"), (2, 6, 3, 25, "sym-v2"), (1, 8, 2, 9, "skew"), (2, 128, 8, 3, "asym"),
+])
+def test_grouped_moe_gemv_matches_reference(monkeypatch, split, E, k, T, variant):
+    """The MoE GEMV with two pairs of one expert per program (moe_gemv.py): experts holding one, two and
+    more pairs (odd counts: the last program has one), split-K partials (gated, and the combine's)
+    (act-order: the test below)."""
+    monkeypatch.setattr(configs, "INTERPRET_MOE_GEMV", configs.GemvConfig(128, 64, 4, 1, split_k=split, rows=2))
+    x, wts, ids, gate, up, down, ref = _moe_case(
+        E, k, T, fmt="gptq_v2" if "v2" in variant else "gptq", sym=not variant.startswith("asym"))
+    if variant == "skew":  # every token's first choice is expert 0: 9 pairs, five programs
+        ids[:, 0] = 0
+        ids[:, 1] = torch.where(ids[:, 1] == 0, 2, ids[:, 1])
+        ref = moe_reference(x.double(), wts.double(), ids, E, lambda e, h: _moe_expert(gate, up, down, e, h))
+    launched = []
+    real = moe_gemv._grouped_gemv_kernel
+    monkeypatch.setattr(moe_gemv, "_grouped_gemv_kernel", _Recorder(real, launched))
+    out = fused_moe(x, wts, ids, gate, up, down, gemv_max_rows=1 << 20)  # the GEMV path at any rows per expert
+    assert len(launched) >= 2  # the grouped kernel ran (gate/up and down)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+class _Recorder:
+    """A jit kernel's stand-in that records each launch and runs the kernel."""
+
+    def __init__(self, kernel, log):
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid):
+        self.log.append(grid)
+        return self.kernel[grid]
+
+
+def _moe_expert(gate, up, down, e, h):
+    from clover_lite.quant.pack import dequantize
+
+    def dense(w):
+        g_idx = w.g_idx[e] if w.g_idx is not None else torch.arange(w.K) // w.group_size
+        fmt = "gptq" if w.zero_offset else "gptq_v2"
+        return dequantize(w.qweight[e], w.qzeros[e], w.scales[e], g_idx, fmt, dtype=torch.float64)
+
+    g, u = h.double() @ dense(gate).t(), h.double() @ dense(up).t()
+    return (torch.nn.functional.silu(g) * u) @ dense(down).t()
+
+
+@pytest.mark.parametrize("T", [3, 30])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_fused_moe_adds_the_gated_shared_expert_in_the_combine(monkeypatch, T, rows):
+    """sigmoid(logit) * shared added to the experts' sum (the MoE layer's shared expert), on the GEMV path
+    (one and two pairs per program) and the padded path, against float64."""
+    monkeypatch.setattr(configs, "INTERPRET_MOE_GEMV", configs.GemvConfig(128, 64, 4, 1, split_k=2, rows=rows))
+    x, wts, ids, gate, up, down, ref = _moe_case(8, 2, T)
+    shared = torch.randn(T, x.shape[1], generator=GEN)
+    logit = torch.randn(T, 1, generator=GEN) * 2
+    out = fused_moe(x, wts, ids, gate, up, down, shared=shared, shared_logit=logit)
+    want = ref + torch.sigmoid(logit.double()) * shared.double()
+    torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="shared expert"):
+        fused_moe(x, wts, ids, gate, up, down, shared=shared)
+
+
+@pytest.mark.parametrize("M", [3, 21])
+@pytest.mark.parametrize("order", ["plain", "act-order shared", "act-order apart"])
+def test_swiglu_fuses_int4_gate_and_up(M, order):
+    """SwiGLU (shared expert, dense MLP) with GPTQ projections on the Triton path: gate and up as one fused
+    GEMV (M <= 4) or GEMM launch when their layouts and row orders agree, else three linears as before."""
+    from clover_lite.models.layers import SwiGLU
+
+    H, inter = 64, 32
+    act = order != "plain"
+    gate_t, gate_w = random_int4(H, inter, 32, sym=False, act_order=act)
+    up_t, up_w = random_int4(H, inter, 32, sym=False, act_order=act,
+                             g_idx=gate_t["g_idx"][None] if order == "act-order shared" else None)
+    down_t, down_w = random_int4(inter, H, 16, sym=False)
+    mlp = SwiGLU(H, inter)
+    mlp.gate_proj, mlp.up_proj = _quant_linear(gate_t, H, inter, 32), _quant_linear(up_t, H, inter, 32)
+    mlp.down_proj = _quant_linear(down_t, inter, H, 16)
+    x = torch.randn(M, H, generator=GEN)
+    dispatch.apply(mlp, "triton")
+    assert (mlp._gate_up is not None) == (order != "act-order apart")
+    ref = (torch.nn.functional.silu(x.double() @ gate_w.t()) * (x.double() @ up_w.t())) @ down_w.t()
+    torch.testing.assert_close(mlp(x).double(), ref, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("static_groups", [True, False])
 def test_model_with_triton_kernels_generates_like_the_reference(tiny2_dir, tmp_path, static_groups):
     """Our default checkpoint (act-order with static groups: plain g_idx), and desc_act without static
@@ -282,6 +374,7 @@ def test_every_tuning_config_fits_its_architecture():
         for gv in (configs.gemv_config(arch), configs.gemv_config(arch, moe=True)):
             assert min(gv.block_n, gv.block_k) >= 16 and 128 % gv.block_k == 0, (arch, gv)
             assert gv.smem_bytes() <= configs.SMEM_LIMIT[arch], (arch, gv)
+        assert configs.gemv_config(arch).rows == 1 and configs.gemv_config(arch, moe=True).rows in (1, 2), arch
     assert set(configs.MOE_GEMV_TABLE) <= set(configs.GEMV_TABLE)
     assert configs.arch_of((8, 6)) == "sm_86" and configs.arch_of((9, 0)) == "sm_90"
     assert configs.arch_of((8, 7)) == "sm_80"  # an unknown minor falls back within its major
@@ -429,11 +522,13 @@ def test_irregular_groups_keep_the_gathering_path():
 
 
 @pytest.mark.parametrize("shared_order", [True, False])
-@pytest.mark.parametrize("T", [2, 40])  # the GEMV path, and the padded path (10 rows per expert)
-def test_act_order_experts_repacked_by_group(shared_order, T):
+@pytest.mark.parametrize("T, rows", [(2, 1), (6, 2), (40, 1)])  # GEMV, grouped GEMV, padded path (10 rows/expert)
+def test_act_order_experts_repacked_by_group(monkeypatch, shared_order, T, rows):
     """Stacks of act-order experts through fused_moe: gate and up in one row order (as GPTQ writes them:
     one gathered input, fused kernel) or in two; down in its own; against a float64 reference."""
     from clover_lite.models.quantized import gptq_experts
+
+    monkeypatch.setattr(configs, "INTERPRET_MOE_GEMV", configs.GemvConfig(128, 64, 4, 1, split_k=2, rows=rows))
 
     E, k, H, inter = 4, 2, 64, 32
     gate_t, gate_w = random_int4(H, inter, 32, act_order=True, stack=E)

@@ -56,6 +56,98 @@ def test_gated_rms_norm_rounds_where_the_module_does(weight_dtype):
     torch.testing.assert_close(y.double(), exact, atol=2e-2, rtol=2e-2)
 
 
+def rotary64(y, cos, sin):
+    """RoPE (rotate-half over the first rd dims) of y [b, L, heads, d] in float64, written out per dim."""
+    rd = cos.shape[-1]
+    half = rd // 2
+    out = y.clone()
+    c, s = cos.double()[None, :, None, :], sin.double()[None, :, None, :]
+    out[..., :half] = y[..., :half] * c[..., :half] - y[..., half:rd] * s[..., :half]
+    out[..., half:rd] = y[..., half:rd] * c[..., half:] + y[..., :half] * s[..., half:]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n, rd, heads, L", [(64, 16, 3, 5), (32, 32, 2, 1), (256, 64, 4, 7)])
+def test_norm_with_rotary_matches_float64_and_the_modules(dtype, n, rd, heads, L):
+    """The attention's q/k norm + RoPE in one kernel: strided rows (q is a view of [query, gate]), a batch of
+    2, the rotary over part of the head or all of it; against float64 and RMSNorm + layers.apply_rotary."""
+    from clover_lite.models.layers import RotaryEmbedding, apply_rotary
+
+    wide = torch.randn(2, L, heads, 2 * n, generator=GEN).to(dtype) * 3
+    x = wide[..., :n]
+    mod = RMSNorm(n, eps=1e-6)
+    with torch.no_grad():
+        mod.weight.copy_(torch.randn(n, generator=GEN) * 0.5)
+    cos, sin = RotaryEmbedding(rd, 10_000.0)(torch.arange(100, 100 + L))
+    y = rms_norm(x, mod.weight, mod.eps, True, rotary=(cos, sin))
+    assert y.shape == x.shape and y.dtype == dtype
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-3, rtol=4e-3)
+    torch.testing.assert_close(y.double(), rotary64(rms64(x, mod.weight, mod.eps, True), cos, sin), **tol)
+    ref = apply_rotary(mod(x).transpose(1, 2), cos, sin).transpose(1, 2)
+    torch.testing.assert_close(y, ref, atol=1e-5 if dtype == torch.float32 else 1e-3, rtol=1e-5)
+
+
+def test_attention_layer_norm_rotary_path_matches_torch():
+    """GatedAttention's q and k through the fused norm + RoPE (Triton backend) against its torch path."""
+    from clover_lite.models.attention import GatedAttention
+    from clover_lite.models.config import config_from_dict
+    from clover_lite.models.layers import RotaryEmbedding
+    from clover_lite.tiny import tiny_config
+
+    cfg = config_from_dict(tiny_config())
+    torch.manual_seed(3)
+    attn = GatedAttention(cfg)
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(1, 6, cfg.hidden_size)
+    cos, sin = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)(torch.arange(10, 16))
+    with torch.no_grad():
+        q_ref, gate_ref = attn.project_q(x, cos, sin)
+        kv_ref = attn.project_kv(x, cos, sin)
+        attn.backend = "triton"
+        q, gate = attn.project_q(x, cos, sin)
+        kv = attn.project_kv(x, cos, sin)
+    torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv.k, kv_ref.k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(gate, gate_ref) and torch.equal(kv.v, kv_ref.v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_residual_add_and_norm_in_one_kernel(dtype):
+    """RMSNorm.forward_add: (norm(residual + x), residual + x), the sum rounded to the dtype as the decoder's
+    `x = x + mixed` rounds it, against the torch path and float64."""
+    n = 96
+    x, res = (torch.randn(2, 5, n, generator=GEN).to(dtype) * 2 for _ in range(2))
+    mod = RMSNorm(n, eps=1e-6)
+    with torch.no_grad():
+        mod.weight.copy_(torch.randn(n, generator=GEN) * 0.5)
+    ref_h, ref_sum = mod.forward_add(x, res)
+    dispatch.apply(mod, "triton")
+    h, total = mod.forward_add(x, res)
+    assert torch.equal(total, ref_sum)
+    torch.testing.assert_close(h, ref_h, atol=1e-5 if dtype == torch.float32 else 1e-3, rtol=1e-5)
+    torch.testing.assert_close(h.double(), rms64(ref_sum, mod.weight, mod.eps, True),
+                               **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-3, rtol=4e-3)))
+
+
+def test_gated_norm_rounds_a_wider_input_first():
+    """GatedRMSNorm(x, gate, dtype): the GDN's fp32 output rounded to the activations' dtype in the kernel,
+    as the torch path's x.to(dtype)."""
+    n = 64
+    x = torch.randn(3, 4, n, generator=GEN) * 2
+    gate = torch.randn(3, 4, n, generator=GEN).half()
+    mod = GatedRMSNorm(n, eps=1e-6)
+    with torch.no_grad():
+        mod.weight.copy_(1 + torch.randn(n, generator=GEN) * 0.3)
+    ref = mod(x, gate, dtype=torch.float16)
+    assert ref.dtype == torch.float16 and torch.equal(ref, mod(x.half(), gate))
+    dispatch.apply(mod, "triton")
+    y = mod(x, gate, dtype=torch.float16)
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y, ref, atol=1e-3, rtol=1e-3)
+
+
 def test_rms_norm_rejects_mismatched_shapes():
     x = torch.randn(4, 32)
     with pytest.raises(ValueError, match="weight has shape"):
@@ -63,3 +155,9 @@ def test_rms_norm_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="gate has shape"):
         rms_norm(x, torch.zeros(32), 1e-6, gate=torch.randn(4, 16))
     assert rms_norm(torch.randn(0, 32), torch.zeros(32), 1e-6).shape == (0, 32)
+    with pytest.raises(ValueError, match="rotary cos/sin"):
+        rms_norm(torch.randn(1, 5, 2, 32), torch.zeros(32), 1e-6, rotary=(torch.ones(4, 8), torch.ones(4, 8)))
+    with pytest.raises(ValueError, match="rotary cos/sin"):
+        rms_norm(torch.randn(1, 5, 2, 32), torch.zeros(32), 1e-6, rotary=(torch.ones(5, 7), torch.ones(5, 7)))
+    with pytest.raises(ValueError, match="residual must be"):
+        rms_norm(x, torch.zeros(32), 1e-6, residual=torch.randn(4, 16))

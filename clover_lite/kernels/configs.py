@@ -62,6 +62,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 2
     split_k: int = 1
+    rows: int = 1  # MoE only: 2 runs two pairs of one expert per program (kernels/moe_gemv.py)
 
     def smem_bytes(self, act_bytes: int = 2) -> int:
         return self.num_stages * (self.block_k * act_bytes + self.block_k * self.block_n // 2)
@@ -120,6 +121,7 @@ GEMV_PROGRAMS_PER_SM = 4
 # Under TRITON_INTERPRET (CPU tests) the cost grows with the number of programs: few, large tiles.
 INTERPRET_GEMM = GemmConfig(16, 64, 32, 1, 4, 1)
 INTERPRET_GEMV = GemvConfig(128, 64, 4, 1)
+INTERPRET_MOE_GEMV = INTERPRET_GEMV  # tests set rows > 1 here to run the grouped MoE GEMV
 # Rows per expert below which the MoE takes the GEMV path instead of padding experts to BLOCK_M rows.
 MOE_GEMV_MAX_ROWS_PER_EXPERT = 4
 

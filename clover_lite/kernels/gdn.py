@@ -94,10 +94,13 @@ def gdn_chunked(
     write_state: bool,
     block_t: int | None = None,
     block_v: int | None = None,
+    normalized: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule from `state`, as `models.gdn.gated_delta_rule_chunked` (same inputs: q, k
     [b, L, HK, K] before normalisation, v [b, L, HV, V], g, beta [b, L, HV], state [b, HV, K, V] fp32,
-    never modified) -> (out [b, L, HV, V] fp32, the state after the L tokens if write_state else None)."""
+    never modified) -> (out [b, L, HV, V] fp32, the state after the L tokens if write_state else None).
+    `normalized`: q and k are already L2-normalised (q times K^-0.5) and all five are fp32 and contiguous,
+    as kernels.gdn_prep.gdn_prepare returns them."""
     from ..models.gdn import l2_normalize
 
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
@@ -114,10 +117,12 @@ def gdn_chunked(
         raise ValueError(f"the recurrent state must be fp32, got {state.dtype}")
     if not (state.is_cuda or interpreting()):
         raise ValueError("the Triton GDN kernel needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests)")
-    # Normalisation and the K^-0.5 query scale in fp32 (elementwise; the kernel does the recurrence).
-    qf = (l2_normalize(q.float()) * K**-0.5).contiguous()
-    kf = l2_normalize(k.float()).contiguous()
-    vf, gf, bf = v.float().contiguous(), g.float().contiguous(), beta.float().contiguous()
+    if normalized:
+        qf, kf, vf, gf, bf = q, k, v, g, beta
+    else:  # normalisation and the K^-0.5 query scale in fp32 (elementwise; the kernel does the recurrence)
+        qf = (l2_normalize(q.float()) * K**-0.5).contiguous()
+        kf = l2_normalize(k.float()).contiguous()
+        vf, gf, bf = v.float().contiguous(), g.float().contiguous(), beta.float().contiguous()
     out = torch.empty(b, L, HV, V, device=v.device, dtype=torch.float32)
     new_state = torch.empty_like(state) if write_state else state  # never written when not asked
     if L == 0:

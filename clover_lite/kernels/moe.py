@@ -6,15 +6,20 @@ block with top-8 of 256 experts gives ~1.6 rows per touched expert) every (token
 GEMV-style program that reads its expert's weights once, with no padding; with many rows per expert
 (prefill) pairs are sorted by expert and padded to BLOCK_M-row tiles with one expert per tile, as vLLM's
 fused_moe does, and run through the tiled tl.dot kernel. Act-order experts repacked by group at load
-(Int4Weights.perm) get each pair's input with its columns gathered into the expert's row order.
+(Int4Weights.perm) get each pair's input with its columns gathered into the expert's row order. The sort
+of the pairs by expert and the combine of their outputs per token are kernels of their own (moe_route.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from . import configs
-from .w4a16 import Int4Weights, fill_split, gemm, gemm_config_for, gemv
+from .moe_gemv import grouped_gemv
+from .moe_route import combine, sort_pairs
+from .w4a16 import Int4Weights, _arch, fill_split, gemm, gemm_config_for, gemv
 
 
 def align_by_expert(sorted_expert: torch.Tensor, num_experts: int, block_m: int):
@@ -44,6 +49,22 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
+def _grouped_moe(x, pairs, k: int, gate: Int4Weights, up: Int4Weights, down: Int4Weights, x_gate, x_up,
+                 add: tuple) -> torch.Tensor:
+    """The GEMV path with each expert's pairs in one program (moe_gemv.py); x_gate / x_up: the pairs' inputs
+    with columns in the experts' row order (act-order), else None (the kernel gathers x's rows itself)."""
+    groups = dict(expert=pairs.expert, rank=pairs.rank, count=pairs.count)
+    if x_gate is None:
+        inter = grouped_gemv(x, gate, w2=up, rows=pairs.token, **groups)
+    elif x_up is x_gate:
+        inter = grouped_gemv(x_gate, gate, w2=up, **groups)
+    else:
+        inter = _silu_mul(grouped_gemv(x_gate, gate, **groups), grouped_gemv(x_up, up, **groups))
+    inter = _gather_columns(inter, down, pairs.expert)
+    y = grouped_gemv(inter, down, row_scale=pairs.scale, sum_splits=False, **groups)
+    return combine(y, pairs.position, k, x.dtype, *add)
+
+
 def fused_moe(
     x: torch.Tensor,
     routing_weights: torch.Tensor,
@@ -53,23 +74,26 @@ def fused_moe(
     down: Int4Weights,
     gemv_max_rows: int = configs.MOE_GEMV_MAX_ROWS_PER_EXPERT,
     validate: bool = True,
+    shared: torch.Tensor | None = None,
+    shared_logit: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, hidden], routing weights / expert ids [T, k] -> sum_k w * down(silu(gate(x)) * up(x)) [T, hidden]."""
+    """x [T, hidden], routing weights / expert ids [T, k] -> sum_k w * down(silu(gate(x)) * up(x)) [T, hidden],
+    plus sigmoid(shared_logit) * shared ([T, 1] and [T, hidden]: the shared expert) if given, in the combine."""
     T, k = expert_ids.shape
     if x.dim() != 2 or x.shape[0] != T:
         raise ValueError(f"x must be [T, hidden] with T = {T}, got {tuple(x.shape)}")
     if routing_weights.shape != expert_ids.shape:
         raise ValueError("routing weights and expert ids must have the same shape")
     E = gate.E
-    flat = expert_ids.reshape(-1).long()
-    if validate and flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= E):
+    if validate and expert_ids.numel() and (int(expert_ids.min()) < 0 or int(expert_ids.max()) >= E):
         raise ValueError(f"expert ids must be in [0, {E})")
-    # 16-bit keys: the sort's passes go with the key width (an H200 took 27 us a layer for 256 int64 keys).
-    order = torch.argsort(flat.to(torch.int16) if E <= 1 << 15 else flat, stable=True)
-    sorted_e = flat[order]
-    token_of = (order // k).to(torch.int32)
-    scale = routing_weights.reshape(-1)[order].float()
-    P = flat.numel()
+    if (shared is None) != (shared_logit is None) or (shared is not None and (
+            shared.shape != x.shape or shared_logit.shape != (T, 1))):
+        raise ValueError(f"the shared expert needs its output {tuple(x.shape)} and gate logits {(T, 1)} together")
+    add = (shared, shared_logit)
+    pairs = sort_pairs(expert_ids, routing_weights, E)
+    sorted_e, token_of = pairs.expert, pairs.token
+    P = sorted_e.numel()
     # Rows per touched expert, expected under uniform routing: decided on the host from T alone, so the
     # common (GEMV) path never waits for the GPU. T tokens top-k of E touch E (1 - (1 - k/E)^T) experts.
     touched = E * (1 - (1 - k / E) ** T) if P else 1.0
@@ -79,31 +103,35 @@ def fused_moe(
         x_gate = _gather_columns(x_pairs, gate, sorted_e)
         x_up = x_gate if up.perm is gate.perm else _gather_columns(x_pairs, up, sorted_e)
     if P <= touched * gemv_max_rows:
-        e32 = sorted_e.to(torch.int32)
+        arch = _arch(x.device)
+        cfg = configs.INTERPRET_MOE_GEMV if arch is None else configs.gemv_config(arch, moe=True)
+        if cfg.rows == 2 and gate.g_idx is None and down.g_idx is None:
+            return _grouped_moe(x, pairs, k, gate, up, down, x_gate if permuted else None,
+                                x_up if permuted else None, add)
         if not permuted:
-            inter = gemv(x, gate, up, rows=token_of, row_expert=e32, n_rows=P, moe=True)
+            inter = gemv(x, gate, up, rows=token_of, row_expert=sorted_e, n_rows=P, moe=True)
         elif x_up is x_gate:
-            inter = gemv(x_gate, gate, up, row_expert=e32, n_rows=P, moe=True)
+            inter = gemv(x_gate, gate, up, row_expert=sorted_e, n_rows=P, moe=True)
         else:  # gate and up in different row orders (not what GPTQ writes): unfused
-            inter = _silu_mul(gemv(x_gate, gate, row_expert=e32, moe=True), gemv(x_up, up, row_expert=e32, moe=True))
+            inter = _silu_mul(gemv(x_gate, gate, row_expert=sorted_e, moe=True),
+                              gemv(x_up, up, row_expert=sorted_e, moe=True))
         inter = _gather_columns(inter, down, sorted_e)
-        y = gemv(inter, down, row_expert=e32, row_scale=scale, n_rows=P, moe=True)
+        # The split-K partials go to the combine as they are: it sums them with the token's k rows.
+        y = gemv(inter, down, row_expert=sorted_e, row_scale=pairs.scale, n_rows=P, moe=True, sum_splits=False)
+        return combine(y, pairs.position, k, x.dtype, *add)
+    cfg = gemm_config_for(x.device, int(P / max(touched, 1.0)))
+    pos, padded_pairs, tile_expert, n_pad = align_by_expert(sorted_e.long(), E, cfg.block_m)
+    cfg = fill_split(cfg, n_pad, x.shape[1], x.device)  # the down projection's split (gate/up: none)
+    tiles = dict(tile_expert=tile_expert, n_rows=n_pad, config=replace(cfg, split_k=1))
+    if not permuted:
+        x_rows = torch.where(padded_pairs >= 0, token_of[padded_pairs.clamp(min=0).long()], -1).to(torch.int32)
+        inter = gemm(x, gate, up, rows=x_rows, **tiles)
+    elif x_up is x_gate:
+        inter = gemm(x_gate, gate, up, rows=padded_pairs, **tiles)
     else:
-        cfg = gemm_config_for(x.device, int(P / max(touched, 1.0)))
-        pos, pairs, tile_expert, n_pad = align_by_expert(sorted_e, E, cfg.block_m)
-        cfg = fill_split(cfg, n_pad, x.shape[1], x.device)  # the down projection's split (gate/up: none)
-        tiles = dict(tile_expert=tile_expert, n_rows=n_pad, config=cfg)
-        if not permuted:
-            x_rows = torch.where(pairs >= 0, token_of[pairs.clamp(min=0).long()], -1).to(torch.int32)
-            inter = gemm(x, gate, up, rows=x_rows, **tiles)
-        elif x_up is x_gate:
-            inter = gemm(x_gate, gate, up, rows=pairs, **tiles)
-        else:
-            inter = _silu_mul(gemm(x_gate, gate, rows=pairs, **tiles), gemm(x_up, up, rows=pairs, **tiles))
-        inter = _gather_columns(inter, down, tile_expert.long().repeat_interleave(cfg.block_m))
-        scale_pad = torch.zeros(n_pad, device=x.device, dtype=torch.float32)
-        scale_pad[pos] = scale
-        y = gemm(inter, down, tile_expert=tile_expert, row_scale=scale_pad, n_rows=n_pad, config=cfg)[pos]
-    out = torch.empty(P, x.shape[1], device=x.device, dtype=x.dtype)
-    out[order] = y.to(x.dtype)
-    return out.view(T, k, -1).sum(1)
+        inter = _silu_mul(gemm(x_gate, gate, rows=padded_pairs, **tiles), gemm(x_up, up, rows=padded_pairs, **tiles))
+    inter = _gather_columns(inter, down, tile_expert.long().repeat_interleave(cfg.block_m))
+    scale_pad = torch.zeros(n_pad, device=x.device, dtype=torch.float32)
+    scale_pad[pos] = pairs.scale
+    y = gemm(inter, down, tile_expert=tile_expert, row_scale=scale_pad, n_rows=n_pad, config=cfg)
+    return combine(y[None], pos[pairs.position.long()].to(torch.int32), k, x.dtype, *add)

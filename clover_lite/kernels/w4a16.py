@@ -181,7 +181,7 @@ def _gemm_kernel(
     s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_ROWS: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_GIDX: tl.constexpr, FUSE_GATE_UP: tl.constexpr,
-    HAS_ROW_SCALE: tl.constexpr, DOT_IEEE: tl.constexpr, PLANES: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr, DOT_IEEE: tl.constexpr, PLANES: tl.constexpr, PARTIAL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -229,11 +229,14 @@ def _gemm_kernel(
                                       g, s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
                                       zero_offset, HAS_GIDX, DOT_IEEE, BLOCK_K, BLOCK_N)
         g, g_end = _next_group(g, g_end, k0 + BLOCK_K, group_size)
+    out = out_ptr + pid_k * s_os + offs_m[:, None] * s_om + offs_n[None, :] * s_on
     if FUSE_GATE_UP:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc2  # silu(gate) * up
+        if PARTIAL:  # split K: gate's and up's sums side by side; SiLU after the sum (_sum_splits)
+            tl.store(out + N * s_on, acc2, mask=m_ok[:, None] & n_ok[None, :])
+        else:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc2  # silu(gate) * up
     if HAS_ROW_SCALE:
         acc = acc * tl.load(row_scale_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
-    out = out_ptr + pid_k * s_os + offs_m[:, None] * s_om + offs_n[None, :] * s_on
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -539,8 +542,10 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
     if arch is not None and w.g_idx is not None:  # gathered scales and zeros: a narrower K tile must fit
         cfg = configs.for_gathered_groups(cfg, arch, fused=w2 is not None)
     bk = _block_k(cfg.block_k, w)
-    k_per, split = _k_splits(w.K, 1 if w2 is not None else cfg.split_k, bk)
-    out = torch.empty(split, M, w.N, device=x.device, dtype=torch.float32 if split > 1 else cdt)
+    k_per, split = _k_splits(w.K, cfg.split_k, bk)
+    fused = w2 is not None
+    width = 2 * w.N if fused and split > 1 else w.N
+    out = torch.empty(split, M, width, device=x.device, dtype=torch.float32 if split > 1 else cdt)
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(w.N, cfg.block_n), split)
     w2a = w2.args() if w2 is not None else w.args()
     dummy = out
@@ -554,17 +559,20 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
         HAS_ROWS=rows is not None, HAS_EXPERTS=tile_expert is not None, HAS_GIDX=w.g_idx is not None,
         FUSE_GATE_UP=w2 is not None, HAS_ROW_SCALE=row_scale is not None, DOT_IEEE=cdt == torch.float32,
-        PLANES=w.g_idx is None and bk >= 128 and (cfg.planes if planes is None else planes),
+        PLANES=w.g_idx is None and bk >= 128 and (cfg.planes if planes is None else planes), PARTIAL=split > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return (out[0] if split == 1 else _sum_splits(out, w.N, cdt)).to(x.dtype)
+    return (out[0] if split == 1 else _sum_splits(out, w.N, cdt, gated=fused)).to(x.dtype)
 
 
 def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: torch.Tensor | None = None,
          row_expert: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
-         n_rows: int | None = None, config: configs.GemvConfig | None = None, moe: bool = False) -> torch.Tensor:
+         n_rows: int | None = None, config: configs.GemvConfig | None = None, moe: bool = False,
+         sum_splits: bool = True) -> torch.Tensor:
     """out [n_rows, N]: row p = x[rows[p]] @ W_{row_expert[p]}, optionally fused gate/up and row scale.
-    `moe`: the table's MoE entry (configs.MOE_GEMV_TABLE) instead of the dense one."""
+    `moe`: the table's MoE entry (configs.MOE_GEMV_TABLE) instead of the dense one. `sum_splits=False` (not
+    fused): the split-K partials as they are, [splits, n_rows, N] (fp32 when split), for a caller that sums
+    them itself (the MoE's combine)."""
     _check_x(x, w)
     _check_pair(w, w2)
     cdt = _compute_dtype(x)
@@ -576,7 +584,9 @@ def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         programs = P * triton.cdiv(w.N, cfg.block_n)
         cfg = configs.gemv_split_to_fill(cfg, programs, w.K, _sm_count(x.device.index or 0))
     if P == 0:
-        return torch.empty(0, w.N, device=x.device, dtype=x.dtype)
+        return torch.empty(*(() if sum_splits else (1,)), 0, w.N, device=x.device, dtype=x.dtype)
+    if not sum_splits and w2 is not None:
+        raise ValueError("fused gate/up partials hold both projections: sum_splits=False is for one weight set")
     bk = _block_k(cfg.block_k, w)
     k_per, split = _k_splits(w.K, cfg.split_k, bk)
     fused = w2 is not None
@@ -596,6 +606,8 @@ def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         FUSE_GATE_UP=fused, HAS_ROW_SCALE=row_scale is not None, PARTIAL=split > 1, EVEN_K=w.K % bk == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if not sum_splits:
+        return out
     if split == 1:
         return out[0].to(x.dtype)
     return _sum_splits(out, w.N, cdt, gated=fused).to(x.dtype)  # SiLU is not linear: after the sum

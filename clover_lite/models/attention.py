@@ -53,16 +53,24 @@ class GatedAttention(nn.Module):
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> AttentionUpdate:
         """Keys (normed, rotated) and values of x [b, L, hidden] -> [b, kv_heads, L, head_dim]."""
         b, L, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, L, self.n_kv, self.head_dim)).transpose(1, 2)
+        k = self.k_proj(x).view(b, L, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(b, L, self.n_kv, self.head_dim).transpose(1, 2)
-        return AttentionUpdate(k=apply_rotary(k, cos, sin), v=v)
+        return AttentionUpdate(k=self._norm_rotary(self.k_norm, k, cos, sin), v=v)
+
+    def _norm_rotary(self, norm: RMSNorm, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """t [b, L, heads, head_dim] -> RoPE(norm(t)) [b, heads, L, head_dim]: one kernel on the Triton path."""
+        if self.backend == "triton":
+            from ..kernels.norm import rms_norm
+
+            return rms_norm(t, norm.weight, norm.eps, norm.unit_offset, rotary=(cos, sin)).transpose(1, 2)
+        return apply_rotary(norm(t).transpose(1, 2), cos, sin)
 
     def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries (normed, rotated) [b, heads, L, head_dim] and the output gate [b, L, heads, head_dim] of x."""
         b, L, _ = x.shape
         qg = self.q_proj(x).view(b, L, self.n_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
-        return apply_rotary(self.q_norm(q).transpose(1, 2), cos, sin), gate
+        return self._norm_rotary(self.q_norm, q, cos, sin), gate
 
     def forward(
         self,

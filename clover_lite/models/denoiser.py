@@ -67,8 +67,8 @@ class DecoderLayer(nn.Module):
         self, x, cos, sin, mask, past_kv, gdn_state, need_state=True, past_len=None, num_splits=None
     ) -> tuple[torch.Tensor, LayerUpdate | None]:
         mixed, update = self.mix(x, cos, sin, mask, past_kv, gdn_state, need_state, past_len, num_splits)
-        x = x + mixed
-        return x + self.mlp(self.post_attention_layernorm(x)), update
+        h, x = self.post_attention_layernorm.forward_add(mixed, x)
+        return x + self.mlp(h), update
 
 
 class Denoiser(nn.Module):

@@ -123,16 +123,33 @@ class GatedDeltaNet(nn.Module):
         """x [b, L, hidden]; state = (recurrent [b, HV, K, V] fp32, conv tail [b, C, kernel-1]), not modified.
         Returns the output and, if need_state, the state after x (a denoising step does not need it)."""
         recurrent, tail = state
-        mixed, new_tail = causal_conv(self.in_proj_qkv(x).transpose(1, 2), tail, self.conv1d.weight.squeeze(1))
-        q, k, v, g, beta = self.heads(x, mixed)
         if self.backend == "triton":
             from ..kernels.gdn import gdn_chunked
+            from ..kernels.gdn_prep import gdn_prepare
 
-            o, new_recurrent = gdn_chunked(q, k, v, g, beta, recurrent, write_state=need_state)
+            # conv, SiLU, the heads' normalisation, g and beta in one kernel (instead of ~30 torch launches)
+            ab = getattr(self, "_ab_weight", None)
+            if ab is not None:  # in_proj_a and in_proj_b as one matmul (prepare)
+                a_b = F.linear(x, ab)
+                a, b = a_b[..., : self.n_v], a_b[..., self.n_v :]
+            else:
+                a, b = self.in_proj_a(x), self.in_proj_b(x)
+            q, k, v, g, beta, new_tail = gdn_prepare(
+                self.in_proj_qkv(x), tail, self.conv1d.weight.squeeze(1), a, b,
+                self.A_log, self.dt_bias, self.n_k, self.dk, self.value_dim, need_tail=need_state)
+            o, new_recurrent = gdn_chunked(q, k, v, g, beta, recurrent, write_state=need_state, normalized=True)
         else:
+            mixed, new_tail = causal_conv(self.in_proj_qkv(x).transpose(1, 2), tail, self.conv1d.weight.squeeze(1))
+            q, k, v, g, beta = self.heads(x, mixed)
             o, new_recurrent = gated_delta_rule_chunked(q, k, v, g, beta, recurrent)
         update = GDNUpdate(recurrent=new_recurrent, conv=new_tail.to(tail.dtype)) if need_state else None
         return self.output(x, o), update
+
+    def prepare(self) -> None:
+        """With the Triton backend: in_proj_a and in_proj_b (plain linears, HV rows each) as one weight."""
+        a, b = self.in_proj_a, self.in_proj_b
+        plain = all(type(p) is nn.Linear and p.bias is None for p in (a, b))
+        self._ab_weight = torch.cat([a.weight, b.weight]).detach() if plain else None
 
     def heads(self, x: torch.Tensor, mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """From x [b, L, hidden] and the conv output [b, C, L]: q, k [b, L, HK, K], v [b, L, HV, V],
@@ -150,7 +167,7 @@ class GatedDeltaNet(nn.Module):
         """The delta rule's output o [b, L, HV, V] through the z-gated norm and out_proj."""
         b, L, _ = x.shape
         z = self.in_proj_z(x).reshape(b, L, self.n_v, self.dv)
-        return self.out_proj(self.norm(o.to(x.dtype), z).reshape(b, L, self.value_dim))
+        return self.out_proj(self.norm(o, z, dtype=x.dtype).reshape(b, L, self.value_dim))
 
 
 def gated_delta_rule_block_states(q, k, v, g, beta, state, chunk: int):

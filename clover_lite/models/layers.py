@@ -28,6 +28,16 @@ class RMSNorm(nn.Module):
         w = self.weight.float()
         return (xf * (1.0 + w if self.unit_offset else w)).to(x.dtype)
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): a decoder layer's residual add and this norm, one kernel on the
+        Triton path."""
+        if self.backend == "triton":
+            from ..kernels.norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, self.unit_offset, residual=residual)
+        total = residual + x
+        return self(total), total
+
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm of the GDN output followed by a SiLU gate: w * norm(x) * silu(z) (norm before gate)."""
@@ -39,11 +49,13 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`dtype`: x is rounded to it first and the result is in it (the GDN's fp32 output, in the kernel)."""
         if self.backend == "triton":
             from ..kernels.norm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, unit_offset=False, gate=gate)
+            return rms_norm(x, self.weight, self.eps, unit_offset=False, gate=gate, out_dtype=dtype)
+        x = x if dtype is None else x.to(dtype)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -86,11 +98,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class SwiGLU(nn.Module):
     """Dense gated MLP: down(silu(gate(x)) * up(x)). Used for the shared expert and dense layers."""
 
+    backend = "torch"  # "triton": INT4 gate and up as one GEMM with the SiLU fused (models/quantized.py)
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+    def prepare(self) -> None:
+        """With the Triton backend (after the projections' own prepare): their INT4 weights, when both are
+        quantized alike, for the fused kernel; else None and the three linears run as they are."""
+        from .quantized import fused_gate_up
+
+        self._gate_up = fused_gate_up(self.gate_proj, self.up_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = getattr(self, "_gate_up", None) if self.backend == "triton" else None
+        if gate_up is not None:
+            from .quantized import gate_up_silu
+
+            return self.down_proj(gate_up_silu(x, *gate_up))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

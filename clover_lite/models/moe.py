@@ -47,8 +47,15 @@ class Experts(nn.Module):
         gate, up = F.linear(h, self.gate_up_proj[e]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj[e])
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return dispatch(x, weights, ids, self.gate_up_proj.shape[0], self.expert)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None = None,
+                shared_logit: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum [T, hidden], plus sigmoid(shared_logit) * shared if given."""
+        return add_shared(dispatch(x, weights, ids, self.gate_up_proj.shape[0], self.expert), shared, shared_logit)
+
+
+def add_shared(out: torch.Tensor, shared: torch.Tensor | None, shared_logit: torch.Tensor | None) -> torch.Tensor:
+    """out + sigmoid(shared_logit) * shared: the shared expert's output [T, hidden] under its gate [T, 1]."""
+    return out if shared is None else out + torch.sigmoid(shared_logit) * shared
 
 
 def dispatch(
@@ -79,6 +86,8 @@ def dispatch(
 
 
 class SparseMoE(nn.Module):
+    backend = "torch"  # "triton": router and shared-expert gate as one matmul, routing in one kernel
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         c = config
@@ -96,9 +105,24 @@ class SparseMoE(nn.Module):
         [T, E] and chosen expert ids [T, k] (training's load-balancing loss reads them)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        shared = self.shared_expert(flat) if self.shared_expert is not None else None
+        if self.backend == "triton" and not return_routing:
+            from ..kernels.moe_route import topk_softmax
+
+            # One matmul gives the router's logits and the shared expert's gate logit (last column); the
+            # softmax, top-k and renormalisation are one kernel, the gate is applied in the experts' combine.
+            E = self.gate.weight.shape[0]
+            logits = F.linear(flat, self._gate_rows)
+            weights, ids = topk_softmax(logits[:, :E], self.gate.top_k, self.gate.normalize, flat.dtype)
+            shared_logit = logits[:, E:] if shared is not None else None
+            return self.experts(flat, weights, ids, shared=shared, shared_logit=shared_logit).reshape(shape)
         probs = self.gate.probs(flat)
         weights, ids = self.gate.select(probs, flat.dtype)
-        out = self.experts(flat, weights, ids)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        shared_logit = self.shared_expert_gate(flat) if shared is not None else None
+        out = self.experts(flat, weights, ids, shared=shared, shared_logit=shared_logit)
         return (out.reshape(shape), probs, ids) if return_routing else out.reshape(shape)
+
+    def prepare(self) -> None:
+        """With the Triton backend: the router's rows and the shared expert's gate row as one weight."""
+        rows = [self.gate.weight] + ([self.shared_expert_gate.weight] if self.shared_expert_gate is not None else [])
+        self._gate_rows = torch.cat(rows).detach()

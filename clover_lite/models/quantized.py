@@ -15,7 +15,7 @@ from torch import nn
 
 from ..quant.nf4 import dequantize_nf4
 from ..quant.pack import PACK, dequantize, sort_rows_by_group, zero_offset
-from .moe import dispatch
+from .moe import add_shared, dispatch
 
 
 class QuantLinear(nn.Module):
@@ -156,26 +156,67 @@ class QuantExperts(nn.Module):
     graph_safe = False  # True only inside graph.StaticStep.forward: never the padded path (host-sized buffers)
 
     def prepare(self) -> None:
-        """After the stacks' own prepare (dispatch.apply prepares children first): gate and up see the same
-        inputs, so GPTQ's act-order gives them the same row order; they then share one permutation tensor
-        and the fused gate/up kernel reads one gathered input (fused_moe tells them apart by identity)."""
-        gate, up = self.gate_proj, self.up_proj
-        if not (isinstance(gate, QuantLinear) and isinstance(up, QuantLinear)):
-            return
-        if gate.k_perm is not None and up.k_perm is not None and torch.equal(gate.k_perm, up.k_perm):
-            up.k_perm = gate.k_perm
-            up._int4 = up.int4()
+        """After the stacks' own prepare (dispatch.apply prepares children first): gate and up share one
+        row order where GPTQ's act-order gave them the same (share_row_order)."""
+        share_row_order(self.gate_proj, self.up_proj)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None = None,
+                shared_logit: torch.Tensor | None = None) -> torch.Tensor:
+        """As moe.Experts.forward, the shared expert's gated output added in the combine on the kernel path."""
         if self.backend == "triton" and isinstance(self.gate_proj, QuantLinear):
             from ..kernels.moe import fused_moe
 
             parts = [getattr(p, "_int4", None) or p.int4() for p in (self.gate_proj, self.up_proj, self.down_proj)]
+            extra = dict(validate=False, shared=shared, shared_logit=shared_logit)
             if self.graph_safe:
-                return fused_moe(x, weights, ids, *parts, gemv_max_rows=1 << 30, validate=False)
-            return fused_moe(x, weights, ids, *parts, validate=False)
+                return fused_moe(x, weights, ids, *parts, gemv_max_rows=1 << 30, **extra)
+            return fused_moe(x, weights, ids, *parts, **extra)
         # Reference path: each expert that received tokens is dequantized and run once.
-        return dispatch(x, weights, ids, self.num_experts, self.expert)
+        return add_shared(dispatch(x, weights, ids, self.num_experts, self.expert), shared, shared_logit)
+
+
+def share_row_order(gate: nn.Module, up: nn.Module) -> None:
+    """Gate and up projections see the same inputs, so GPTQ's act-order gives them the same row order: they
+    then share one permutation tensor, and the fused gate/up kernel reads one gathered input (the kernels
+    tell the orders apart by identity)."""
+    if not (isinstance(gate, QuantLinear) and isinstance(up, QuantLinear)):
+        return
+    if gate.k_perm is not None and up.k_perm is not None and gate.k_perm is not up.k_perm \
+            and torch.equal(gate.k_perm, up.k_perm):
+        up.k_perm = gate.k_perm
+        up._int4 = up.int4()
+
+
+def fused_gate_up(gate: nn.Module, up: nn.Module):
+    """The kernels' INT4 weights of a gate and an up projection that one fused GEMM can take (both GPTQ
+    linears without bias, same sizes, groups, format and row order), else None."""
+    from ..kernels.w4a16 import _check_pair
+
+    if not (isinstance(gate, QuantLinear) and isinstance(up, QuantLinear)) or gate.bias is not None \
+            or up.bias is not None:
+        return None
+    share_row_order(gate, up)
+    if gate.k_perm is not up.k_perm:  # one gathered input for both, or none
+        return None
+    g, u = (getattr(p, "_int4", None) or p.int4() for p in (gate, up))
+    if g.E != 1:
+        return None
+    try:
+        _check_pair(g, u)
+    except ValueError:
+        return None
+    return g, u
+
+
+def gate_up_silu(x: torch.Tensor, gate, up) -> torch.Tensor:
+    """silu(x gate^T) * (x up^T) [..., N] in one INT4 GEMM (or GEMV) launch, for fused_gate_up's weights."""
+    from ..kernels.w4a16 import gemm, gemv
+
+    x2 = x.reshape(-1, gate.K)
+    if gate.perm is not None:
+        x2 = x2.index_select(1, gate.perm[0])
+    y = gemv(x2, gate, up) if x2.shape[0] <= 4 else gemm(x2, gate, up)
+    return y.reshape(*x.shape[:-1], gate.N)
 
 
 def gptq_experts(num_experts: int, hidden: int, intermediate: int, groups_in: int, groups_down: int,

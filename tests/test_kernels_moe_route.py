@@ -1,0 +1,139 @@
+"""The MoE routing kernels (router top-k, sort of the pairs by expert, combine) in the Triton interpreter,
+against float64 torch and a plain Python stable sort."""
+
+import pytest
+import torch
+
+from clover_lite.kernels import moe_route
+from clover_lite.kernels.moe_route import combine, sort_pairs, sort_pairs_reference, topk_softmax
+
+
+@pytest.mark.parametrize("T, E, k, normalize, dtype", [
+    (1, 8, 2, True, torch.float32), (5, 20, 3, False, torch.float16), (33, 256, 8, True, torch.float32),
+    (3, 100, 1, True, torch.bfloat16),
+])
+def test_topk_softmax_matches_float64(T, E, k, normalize, dtype):
+    g = torch.Generator().manual_seed(T * E + k)
+    logits = torch.randn(T, E, generator=g).to(torch.float16 if dtype == torch.float16 else torch.float32)
+    weights, ids = topk_softmax(logits, k, normalize, dtype)
+    probs = torch.softmax(logits.double(), -1)
+    ref_w, ref_ids = torch.topk(probs, k)
+    if normalize:
+        ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+    assert ids.dtype == torch.int64 and weights.dtype == dtype
+    assert torch.equal(ids, ref_ids)
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(weights.double(), ref_w, rtol=tol, atol=tol)
+
+
+def test_topk_ties_go_to_the_lower_expert():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0], [5.0, 5.0, 5.0, 5.0, 5.0, 5.0]])
+    weights, ids = topk_softmax(logits, 3, True, torch.float32)
+    assert ids.tolist() == [[1, 3, 4], [0, 1, 2]]
+    torch.testing.assert_close(weights, torch.full((2, 3), 1 / 3))
+
+
+def _python_sort(ids, weights):
+    """The pairs' stable order by expert, worked element by element."""
+    e, w = ids.reshape(-1).tolist(), weights.reshape(-1).tolist()
+    k = ids.shape[1]
+    order = sorted(range(len(e)), key=lambda i: (e[i], i))
+    position = [0] * len(e)
+    for p, i in enumerate(order):
+        position[i] = p
+    sorted_e = [e[i] for i in order]
+    rank = [sum(1 for q in range(p) if sorted_e[q] == sorted_e[p]) for p in range(len(e))]
+    count = [sorted_e.count(x) for x in sorted_e]
+    return dict(expert=sorted_e, token=[i // k for i in order], scale=[w[i] for i in order], position=position,
+                rank=rank, count=count)
+
+
+@pytest.mark.parametrize("T, k, E, skew", [(1, 1, 4, False), (7, 3, 16, False), (40, 8, 256, False),
+                                           (19, 4, 8, True), (0, 2, 8, False)])
+def test_sort_pairs_matches_a_python_stable_sort(T, k, E, skew):
+    """Ragged pair counts (more than one program at 320 pairs), experts with no pair, one expert holding most."""
+    g = torch.Generator().manual_seed(T * 31 + k)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k).long()
+    if skew:
+        ids[:, 0] = 5  # every token's first choice is expert 5
+    weights = torch.rand(T, k, generator=g, dtype=torch.float64).to(torch.float16)
+    want = _python_sort(ids, weights.float())
+    for got in (sort_pairs(ids, weights, E), sort_pairs_reference(ids, weights, E), sort_pairs(ids.int(), weights, E)):
+        for field, values in want.items():
+            t = getattr(got, field)
+            assert t.dtype == (torch.float32 if field == "scale" else torch.int32), field
+            assert t.tolist() == values, field
+
+
+def test_sort_pairs_past_the_kernel_limit_takes_torch(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 6, (9, 2), generator=g)
+    weights = torch.rand(9, 2, generator=g)
+    kernel = sort_pairs(ids, weights, 6)
+    monkeypatch.setattr(moe_route, "SORT_KERNEL_MAX_PAIRS", 4)
+    monkeypatch.setattr(moe_route, "_sort_pairs_kernel", None)  # would fail if launched
+    fallback = sort_pairs(ids, weights, 6)
+    for field in ("expert", "token", "scale", "position", "rank", "count"):
+        assert torch.equal(getattr(kernel, field), getattr(fallback, field)), field
+
+
+@pytest.mark.parametrize("splits, T, k, N, dtype", [(1, 3, 2, 40, torch.float32), (4, 6, 3, 1100, torch.float16),
+                                                    (2, 1, 8, 7, torch.bfloat16)])
+def test_combine_sums_splits_and_pairs_in_float64(splits, T, k, N, dtype):
+    g = torch.Generator().manual_seed(splits * 100 + N)
+    R = T * k + 5  # rows the pairs do not use are never read
+    y = torch.randn(splits, R, N, generator=g)
+    rows = torch.randperm(R, generator=g)[: T * k].to(torch.int32)
+    out = combine(y, rows, k, dtype)
+    ref = y.double().sum(0)[rows.long()].view(T, k, N).sum(1)
+    assert out.dtype == dtype and out.shape == (T, N)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_router_kernel_in_the_moe_layer_matches_torch():
+    """SparseMoE on the kernel path (router and shared-expert gate in one matmul, the top-k kernel, the gate
+    applied with the experts' sum) against its torch path, including the return_routing path."""
+    from clover_lite.kernels import dispatch
+    from clover_lite.models.config import config_from_dict
+    from clover_lite.models.moe import SparseMoE
+    from clover_lite.tiny import tiny_config
+
+    cfg = config_from_dict(tiny_config())
+    assert cfg.shared_expert_intermediate_size
+    torch.manual_seed(0)
+    moe = SparseMoE(cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(2, 5, cfg.hidden_size)
+    ref = moe(x)
+    dispatch.apply(moe, "triton")
+    assert moe._gate_rows.shape == (cfg.num_experts + 1, cfg.hidden_size)
+    torch.testing.assert_close(moe(x), ref, rtol=1e-5, atol=1e-6)
+    out, probs, ids = moe(x, return_routing=True)  # training's path keeps the probabilities
+    assert probs.shape == (10, cfg.num_experts) and ids.shape == (10, cfg.num_experts_per_tok)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_gpu_tiles_under_the_interpreter(monkeypatch):
+    """The launchers' GPU tiles (a token per program) run under the interpreter too, with the same results."""
+    g = torch.Generator().manual_seed(5)
+    logits, y = torch.randn(5, 20, generator=g), torch.randn(2, 15, 1100, generator=g)
+    rows = torch.randperm(15, generator=g)[:15].to(torch.int32)
+    big = topk_softmax(logits, 3, True, torch.float32), combine(y, rows, 3, torch.float32)
+    monkeypatch.setattr(moe_route, "interpreting", lambda: False)
+    small = topk_softmax(logits, 3, True, torch.float32), combine(y, rows, 3, torch.float32)
+    assert torch.equal(big[0][1], small[0][1])
+    torch.testing.assert_close(big[0][0], small[0][0])
+    torch.testing.assert_close(big[1], small[1])
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"\[T, E\]"):
+        topk_softmax(torch.zeros(8), 2, True, torch.float32)
+    with pytest.raises(ValueError, match="top-k"):
+        topk_softmax(torch.zeros(2, 4), 5, True, torch.float32)
+    with pytest.raises(ValueError, match=r"\[T, k\]"):
+        sort_pairs(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 2), 4)
+    with pytest.raises(ValueError, match="multiple of top-k"):
+        combine(torch.zeros(1, 4, 8), torch.zeros(5, dtype=torch.int32), 2, torch.float32)
