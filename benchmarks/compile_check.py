@@ -27,8 +27,10 @@ from triton.compiler import ASTSource  # noqa: E402
 from clover_lite.kernels import attention as attn_k  # noqa: E402
 from clover_lite.kernels import configs  # noqa: E402
 from clover_lite.kernels import gdn as gdn_k  # noqa: E402
+from clover_lite.kernels import gdn_prep as prep_k  # noqa: E402
 from clover_lite.kernels import moe_gemv as gemv_k  # noqa: E402
 from clover_lite.kernels import moe_route as route_k  # noqa: E402
+from clover_lite.kernels import norm as norm_k  # noqa: E402
 from clover_lite.kernels import sampling as samp_k  # noqa: E402
 from clover_lite.kernels import w4a16 as w4_k  # noqa: E402
 
@@ -186,10 +188,27 @@ def cases(arch: str, quick: bool):
     yield ("moe route sort", route_k._sort_pairs_kernel,
            {"ids_ptr": "*i64", "w_ptr": act, **{n: "*i32" for n in ("pos_ptr", "expert_ptr", "token_ptr", "rank_ptr",
                                                                    "count_ptr")}},
-           dict(BLOCK_I=128, BLOCK_J=128), 4, 1, None)
+           dict(BLOCK_I=64, BLOCK_J=32), 4, 1, None)
     yield ("moe route combine", route_k._combine_kernel,
            {"y_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": act, "add_ptr": act, "logit_ptr": act},
            dict(K=8, HAS_ADD=True, BLOCK_T=1, BLOCK_N=1024), 4, 1, None)
+    # The GDN layer's input kernel (gdn_prep.py) at the GPU tile (a token, 4 heads of 128 channels), with and
+    # without the conv tail written (commit / step).
+    for tail in (False, True):
+        yield (f"gdn prep{' commit' if tail else ' step'}", prep_k._gdn_prep_kernel,
+               {"qkv_ptr": act, "tail_ptr": act, "w_ptr": act, "a_ptr": act, "b_ptr": act, "new_tail_ptr": act},
+               dict(KW=4, BLOCK_T=1, BLOCK_S=4, BLOCK_D=128, WRITE_TAIL=tail), 4, 1, None)
+    # RMSNorm (norm.py): plain, gated with a wider input (the GDN's output), with RoPE (attention q/k, head_dim
+    # 256), with the residual add.
+    for label, flags, block in (("", {}, 2048), (" gated fp32 in", dict(GATED=True, ROUND_INPUT=True), 128),
+                                (" rotary", dict(ROTARY=True), 256), (" residual", dict(RESIDUAL=True), 2048)):
+        consts = dict(UNIT_OFFSET=not flags.get("GATED", False), GATED=False, ROUND_PRODUCT=True, ROTARY=False,
+                      ROUND_INPUT=False, RESIDUAL=False, BLOCK=block)
+        consts.update(flags)
+        ptrs = {n: act for n in ("x_ptr", "w_ptr", "gate_ptr", "out_ptr", "res_ptr", "sum_ptr")}
+        if flags.get("ROUND_INPUT"):
+            ptrs["x_ptr"] = "*fp32"
+        yield (f"rms norm{label}", norm_k._rms_norm_kernel, ptrs, consts, 4 if block <= 1024 else 8, 1, None)
     for write in (False, True):
         t, v = configs.GDN_BLOCK_T, configs.GDN_BLOCK_V
         consts = dict(BLOCK_T=t, BLOCK_K=128, BLOCK_V=v, LOG2_T=t.bit_length() - 1, WRITE_STATE=write,

@@ -267,6 +267,39 @@ def check_gdn(device, gen, smoke) -> str:
     return f"max rel err {worst:.1e}"
 
 
+def check_gdn_inputs(device, gen, smoke) -> str:
+    """The GDN layer's input kernel (conv, SiLU, q/k norms, g, beta: gdn_prep.py) against the layer's torch
+    path, at Clover's heads (16 k, 32 v heads of 128) in the runtime's dtype, step and commit."""
+    from clover_lite.kernels.gdn_prep import gdn_prepare
+    from clover_lite.models.gdn import causal_conv, l2_normalize
+
+    hk, hv, d, kw = (2, 4, 16, 4) if smoke else (16, 32, 128, 4)
+    dt = torch.float32 if device.type == "cpu" else torch.bfloat16
+    C = 2 * hk * d + hv * d
+    worst = 0.0
+    for L in ((1, 5) if smoke else (1, 2, 32, 64)):
+        qkv = torch.randn(1, L, C, generator=gen).to(device, dt)
+        tail = torch.randn(1, C, kw - 1, generator=gen).to(device, dt)
+        w = (torch.randn(C, kw, generator=gen) * 0.5).to(device, dt)
+        a, b = (torch.randn(1, L, hv, generator=gen).to(device, dt) for _ in range(2))
+        a_log, dt_bias = (torch.randn(hv, generator=gen).to(device, dt) for _ in range(2))
+        got = gdn_prepare(qkv, tail, w, a, b, a_log, dt_bias, hk, d, hv * d, need_tail=True)
+        mixed, new_tail = causal_conv(qkv.transpose(1, 2), tail, w)
+        mixed = mixed.transpose(1, 2).float()
+        q, k = mixed[..., : hk * d].reshape(1, L, hk, d), mixed[..., hk * d : 2 * hk * d].reshape(1, L, hk, d)
+        want = (l2_normalize(q) * d**-0.5, l2_normalize(k), mixed[..., 2 * hk * d :].reshape(1, L, hv, d),
+                -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float()),
+                torch.sigmoid(b).float())
+        for name, x, y in zip(("q", "k", "v", "g", "beta"), got[:5], want, strict=True):
+            err = ((x - y).abs().max() / y.abs().max().clamp(min=1e-30)).item()
+            worst = max(worst, err)
+            if not err < (1e-5 if dt == torch.float32 else 2e-2):
+                raise AssertionError(f"GDN inputs L={L} {name}: rel err {err}")
+        if not torch.equal(got[5], new_tail):
+            raise AssertionError(f"GDN inputs L={L}: the conv tail differs")
+    return f"max rel err {worst:.1e}, conv tail exact"
+
+
 def check_sampling(device, gen, smoke) -> str:
     from clover_lite.kernels.sampling import choose_fused
     from clover_lite.sampling import choose
@@ -307,12 +340,44 @@ def check_norm(device, gen, smoke) -> str:
             worst = max(worst, err)
             if not err < (1e-5 if dt == torch.float32 else 1e-2):
                 raise AssertionError(f"RMSNorm rows {rows} n {n} gated {gated} {dt}: rel err {err}")
-    return f"max rel err {worst:.1e}"
+        worst = max(worst, _check_norm_rotary_residual(device, gen, dt, smoke))
+    return f"max rel err {worst:.1e} (incl. RoPE and the residual add)"
+
+
+def _check_norm_rotary_residual(device, gen, dt, smoke) -> float:
+    """The attention's q/k norm with RoPE (Clover: 16 heads of 256, rotary 64) and the residual add with the
+    post-attention norm (2048), against the modules' torch path."""
+    from clover_lite.kernels.norm import rms_norm
+    from clover_lite.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+    heads, d, rd, hidden = (2, 32, 16, 64) if smoke else (16, 256, 64, 2048)
+    worst = 0.0
+    for L in (1, 32):
+        mod = RMSNorm(d).to(device, dt)
+        with torch.no_grad():
+            mod.weight.copy_(torch.randn(d, generator=gen) * 0.5)
+        x = (torch.randn(1, L, heads, 2 * d, generator=gen) * 3).to(device, dt)[..., :d]
+        cos, sin = RotaryEmbedding(rd, 1e7)(torch.arange(5000, 5000 + L, device=device))
+        ref = apply_rotary(mod(x).transpose(1, 2), cos, sin).transpose(1, 2).float()
+        out = rms_norm(x, mod.weight, mod.eps, True, rotary=(cos, sin)).float()
+        norm = RMSNorm(hidden).to(device, dt)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(hidden, generator=gen) * 0.5)
+        mixed, res = (torch.randn(L, hidden, generator=gen).to(device, dt) for _ in range(2))
+        h, total = rms_norm(mixed, norm.weight, norm.eps, True, residual=res)
+        if not torch.equal(total, res + mixed):
+            raise AssertionError(f"residual add L={L} {dt}: the sum differs from torch's")
+        errs = [((out - ref).abs().max() / ref.abs().max()).item(),
+                ((h.float() - norm(res + mixed).float()).abs().max() / h.float().abs().max()).item()]
+        worst = max(worst, *errs)
+        if not max(errs) < (1e-5 if dt == torch.float32 else 1e-2):
+            raise AssertionError(f"RMSNorm with RoPE / residual L={L} {dt}: rel err {errs}")
+    return worst
 
 
 CHECKS = [("w4a16 matmul", check_w4a16), ("fused INT4 MoE", check_moe), ("MoE routing", check_moe_route),
-          ("block attention", check_attention),
-          ("GDN block kernel", check_gdn), ("masked-position sampling", check_sampling), ("RMSNorm", check_norm),
+          ("block attention", check_attention), ("GDN block kernel", check_gdn), ("GDN inputs", check_gdn_inputs),
+          ("masked-position sampling", check_sampling), ("RMSNorm", check_norm),
           ("tiny model, kernels vs torch", check_model)]
 
 

@@ -236,6 +236,19 @@ def sweep_moe(m, device, dtype, reps, deadline, smoke, arch) -> dict:
             "table_s": table_s, "results": results}
 
 
+def print_moe(moe: dict) -> None:
+    print(f"\n== fused MoE GEMV, M={moe['M']} ({moe['experts_touched']:.0f} experts touched, floor "
+          f"{moe['floor_s'] * 1e6:.1f} us); table's entry {moe['table']}: "
+          f"{(moe['table_s'] or float('nan')) * 1e6:.1f} us", flush=True)
+    for x in moe["results"][:6]:
+        c = x["config"]
+        print(f"  BN {c['block_n']:>3} BK {c['block_k']:>3} w{c['num_warps']} st{c['num_stages']} "
+              f"{'2 pairs' if c['rows'] == 2 else '1 pair '}  {x['s'] * 1e6:7.1f} us")
+    for rows, label in ((1, "one pair"), (2, "two pairs")):  # the grouped kernel against the ungrouped one
+        best = [x["s"] for x in moe["results"] if x["config"]["rows"] == rows]
+        print(f"  best with {label} a program: {min(best) * 1e6:.1f} us" if best else f"  {label}: none ran")
+
+
 def fmt_gemm(c: dict, planes: bool) -> str:
     return (f"BM {c['block_m']:>3} BN {c['block_n']:>3} BK {c['block_k']:>3} split<={c['split_k']} "
             f"w{c['num_warps']} st{c['num_stages']} {'planes' if planes else 'tile  '}")
@@ -245,6 +258,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", type=int, nargs="+", default=[32, 16, 64], help="M buckets, in the order swept")
     ap.add_argument("--no-moe", action="store_true")
+    ap.add_argument("--moe-only", action="store_true", help="only the MoE GEMV candidates (one and two pairs a "
+                    "program), at a 32-token block")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--time-limit", type=float, default=300, help="seconds; what is done by then is reported")
     ap.add_argument("--smoke", action="store_true")
@@ -269,6 +284,12 @@ def main(argv=None) -> int:
         tmp.replace(path)
 
     reps = 2 if smoke else args.reps
+    if args.moe_only:
+        result["moe"] = sweep_moe(16 if smoke else 32, device, dtype, reps, deadline, smoke, arch)
+        save()
+        print_moe(result["moe"])
+        print(f"\nsweep done, {args.time_limit - deadline.left():.0f} s; {path}")
+        return 0
     print(f"{card} ({arch}), {dtype}: score = time of one step's calls of {[s[0] for s in shapes]}", flush=True)
     for i, m in enumerate(ms):
         if deadline.left() < 0:
@@ -286,16 +307,9 @@ def main(argv=None) -> int:
             best_per = {s[0]: min(x["per_shape_s"][s[0]] for x in r["results"]) for s in shapes}
             print("  best per shape (us): " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in best_per.items()))
         if not args.no_moe and i == 0 and (smoke or m == 32):
-            moe = sweep_moe(m, device, dtype, reps, deadline, smoke, arch)
-            result["moe"] = moe
+            result["moe"] = sweep_moe(m, device, dtype, reps, deadline, smoke, arch)
             save()
-            print(f"\n== fused MoE GEMV, M={m} ({moe['experts_touched']:.0f} experts touched, floor "
-                  f"{moe['floor_s'] * 1e6:.1f} us); table's entry {moe['table']}: "
-                  f"{(moe['table_s'] or float('nan')) * 1e6:.1f} us")
-            for x in moe["results"][:6]:
-                c = x["config"]
-                print(f"  BN {c['block_n']:>3} BK {c['block_k']:>3} w{c['num_warps']} st{c['num_stages']} "
-                      f"{'2 pairs' if c['rows'] == 2 else '1 pair '}  {x['s'] * 1e6:7.1f} us")
+            print_moe(result["moe"])
         if not smoke and r["results"] and deadline.left() > 20:
             top = [(configs.GemmConfig(**x["config"]), x["planes"]) for x in r["results"][:3]]
             entry = (configs.GemmConfig(**r["table"]), r["table_planes"])

@@ -271,3 +271,17 @@ def test_rules_probe_finds_every_premise_copy(tmp_path):
     heads = data["rules"]["heads"]
     assert len(heads) == 16 and all(0 <= w["right"] and w["right"] + w["other rules"] <= 1 + 1e-6
                                     for w in heads.values())
+
+
+def test_launch_count_of_a_step_has_no_elementwise_glue_in_the_layers():
+    """benchmarks/launches.py: on the Triton path a step's GDN, attention and MoE layers issue torch operators
+    only for their unquantized matmuls (GDN a/b, the router with the shared expert's gate) and the attention's
+    gate copy; every other operation is inside a Triton kernel. Before the glue kernels the tiny model's step
+    issued 120 torch operators (benchmarks/RESULTS.md)."""
+    count_step = runpy.run_path(str(BENCH / "launches.py"), run_name="bench")["count_step"]
+    r = count_step()
+    assert r["triton_launches"] > 0 and r["triton"]["_gdn_prep_kernel"] == 1
+    layers = [row for row in r["torch"] if row["line"].startswith(("models/gdn.py", "models/moe.py",
+                                                                    "models/attention.py", "kernels/"))]
+    assert {row["op"] for row in layers} <= {"mm", "clone"}, layers
+    assert sum(row["calls"] for row in layers) <= 4, layers

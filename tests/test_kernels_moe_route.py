@@ -120,12 +120,15 @@ def test_gpu_tiles_under_the_interpreter(monkeypatch):
     g = torch.Generator().manual_seed(5)
     logits, y = torch.randn(5, 20, generator=g), torch.randn(2, 15, 1100, generator=g)
     rows = torch.randperm(15, generator=g)[:15].to(torch.int32)
-    big = topk_softmax(logits, 3, True, torch.float32), combine(y, rows, 3, torch.float32)
+    ids = torch.randint(0, 9, (50, 3), generator=g)  # 150 pairs: 3 programs of 64 pairs, 5 steps of 32
+    big = topk_softmax(logits, 3, True, torch.float32), combine(y, rows, 3, torch.float32), sort_pairs(ids, ids, 9)
     monkeypatch.setattr(moe_route, "interpreting", lambda: False)
-    small = topk_softmax(logits, 3, True, torch.float32), combine(y, rows, 3, torch.float32)
+    small = topk_softmax(logits, 3, True, torch.float32), combine(y, rows, 3, torch.float32), sort_pairs(ids, ids, 9)
     assert torch.equal(big[0][1], small[0][1])
     torch.testing.assert_close(big[0][0], small[0][0])
     torch.testing.assert_close(big[1], small[1])
+    for field, values in _python_sort(ids, ids.float()).items():
+        assert getattr(small[2], field).tolist() == values, field
 
 
 def test_bad_arguments():

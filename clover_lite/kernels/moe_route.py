@@ -128,9 +128,11 @@ def sort_pairs(expert_ids: torch.Tensor, routing_weights: torch.Tensor, num_expe
     pos, expert, token, rank, count = (torch.empty(P, device=dev, dtype=torch.int32) for _ in range(5))
     scale = torch.empty(P, device=dev, dtype=torch.float32)
     if P:
-        block = 64 if P <= 64 else 128
-        _sort_pairs_kernel[(triton.cdiv(P, block),)](ids, w, pos, expert, token, scale, rank, count, P,
-                                                     expert_ids.shape[1], BLOCK_I=block, BLOCK_J=block)
+        # [BLOCK_I, BLOCK_J] comparisons per step: 64 x 32 on a GPU (128 x 128 at 4 warps spilled on sm_90,
+        # benchmarks/compile_check.py); under the interpreter few, large tiles.
+        bi, bj = (min(128, triton.next_power_of_2(P)),) * 2 if interpreting() else (64, 32)
+        _sort_pairs_kernel[(triton.cdiv(P, bi),)](ids, w, pos, expert, token, scale, rank, count, P,
+                                                  expert_ids.shape[1], BLOCK_I=bi, BLOCK_J=bj)
     return ExpertPairs(expert, token, scale, pos, rank, count)
 
 
