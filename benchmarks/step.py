@@ -148,7 +148,10 @@ def measure(model, cache, static, context: int, block: int, mask_id: int, reps: 
             cache.conv[i].copy_(conv)
 
     steps, commits, heads = [], [], []
-    for i in range(reps + 2):  # two warm-ups
+    # Warm-ups on a GPU (Triton compiles, cuBLAS picks its kernels, the allocator grows); a CPU has nothing to
+    # warm, and under the interpreter a tiny model's forward takes seconds.
+    warm = 2 if device.type == "cuda" else 0
+    for i in range(reps + warm):
         sync(device)
         t0 = time.perf_counter()
         hidden, _ = model._run(masked, cache.length, None, cache, need_states=False)
@@ -162,7 +165,7 @@ def measure(model, cache, static, context: int, block: int, mask_id: int, reps: 
         sync(device)
         t3 = time.perf_counter()
         undo_commit()
-        if i >= 2:
+        if i >= warm:
             steps.append(t2 - t0)
             heads.append(t2 - t1)
             commits.append(t3 - t2)
@@ -170,20 +173,20 @@ def measure(model, cache, static, context: int, block: int, mask_id: int, reps: 
     # add to a launch-bound step (about 160 events a step at Clover).
     timer = ComponentTimer(model, device)
     parts, hooked = [], []
-    for i in range(reps + 1):  # one warm-up
+    for i in range(reps + min(warm, 1)):
         sync(device)
         t0 = time.perf_counter()
         model._run(masked, cache.length, None, cache, need_states=False)
         sync(device)
         t1 = time.perf_counter()
         comp = timer.totals()
-        if i >= 1:
+        if i >= min(warm, 1):
             parts.append(comp)
             hooked.append(t1 - t0)
     timer.close()
     graph, graph_commits = [], []
     if static is not None:  # the same step and commit through the static (CUDA-graph) path
-        for i in range(reps + 2):
+        for i in range(reps + warm):
             sync(device)
             t0 = time.perf_counter()
             logits = static(masked)
@@ -194,7 +197,7 @@ def measure(model, cache, static, context: int, block: int, mask_id: int, reps: 
             sync(device)
             t2 = time.perf_counter()
             undo_commit()
-            if i >= 2:
+            if i >= warm:
                 graph.append(t1 - t0)
                 graph_commits.append(t2 - t1)
     med = statistics.median

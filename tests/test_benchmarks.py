@@ -136,7 +136,7 @@ def test_step_benchmark_runs(tmp_path, monkeypatch):
     """Rows for each context; every repetition starts from the prefilled state (a commit overwrites the
     GDN states in place, so putting back the length alone would let each repetition see a later state)."""
     out = tmp_path / "step.json"
-    monkeypatch.setattr(sys, "argv", ["step.py", "--contexts", "16", "40", "--reps", "1", "--json", str(out)])
+    monkeypatch.setattr(sys, "argv", ["step.py", "--contexts", "16", "40", "--reps", "3", "--json", str(out)])
     main = runpy.run_path(str(BENCH / "step.py"), run_name="bench")["main"]
     build, seen = main.__globals__["random_model"], {}
 
@@ -154,7 +154,7 @@ def test_step_benchmark_runs(tmp_path, monkeypatch):
 
     monkeypatch.setitem(main.__globals__, "random_model", spying_model)
     assert main() == 0
-    # commits at length 0 are the prefills; at 16 and 40 the timed commits (1 rep + 2 warm-ups each)
+    # commits at length 0 are the prefills; at 16 and 40 the timed commits (3 reps; a CPU runs no warm-ups)
     assert sorted(seen) == [0, 16, 40] and len(seen[16]) == len(seen[40]) == 3
     for states in (seen[16], seen[40]):
         assert all(torch.equal(a, b) for later in states[1:] for a, b in zip(states[0], later, strict=True))

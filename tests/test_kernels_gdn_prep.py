@@ -71,6 +71,7 @@ def test_gdn_layer_with_the_kernels_matches_torch():
         ref, ref_up = layer(x, state)
         dispatch.apply(layer, "triton")
         assert layer._ab_weight.shape == (2 * layer.n_v, x.shape[-1])  # in_proj_a and in_proj_b as one matmul
+        assert layer.in_proj_a.weight.data_ptr() == layer._ab_weight.data_ptr()  # viewed, not copied
         out, up = layer(x, state)
         step, none = layer(x, state, need_state=False)
     torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)  # tf32 dots in the delta rule on a GPU only

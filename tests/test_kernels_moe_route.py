@@ -107,9 +107,14 @@ def test_router_kernel_in_the_moe_layer_matches_torch():
         torch.nn.init.normal_(p, std=0.2)
     x = torch.randn(2, 5, cfg.hidden_size)
     ref = moe(x)
+    moe.backend = "triton"  # before prepare: the joined rows are made on the fly
+    torch.testing.assert_close(moe(x), ref, rtol=1e-5, atol=1e-6)
     dispatch.apply(moe, "triton")
     assert moe._gate_rows.shape == (cfg.num_experts + 1, cfg.hidden_size)
+    assert moe.gate.weight.data_ptr() == moe._gate_rows.data_ptr()  # the modules view the joined weight
     torch.testing.assert_close(moe(x), ref, rtol=1e-5, atol=1e-6)
+    moe.backend = "torch"
+    assert torch.equal(moe(x), ref)  # the torch path through the views computes what it did
     out, probs, ids = moe(x, return_routing=True)  # training's path keeps the probabilities
     assert probs.shape == (10, cfg.num_experts) and ids.shape == (10, cfg.num_experts_per_tok)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

@@ -146,10 +146,13 @@ class GatedDeltaNet(nn.Module):
         return self.output(x, o), update
 
     def prepare(self) -> None:
-        """With the Triton backend: in_proj_a and in_proj_b (plain linears, HV rows each) as one weight."""
+        """With the Triton backend: in_proj_a and in_proj_b (plain linears, HV rows each) as one weight, which
+        both then view (moe.join_rows)."""
+        from .moe import join_rows
+
         a, b = self.in_proj_a, self.in_proj_b
         plain = all(type(p) is nn.Linear and p.bias is None for p in (a, b))
-        self._ab_weight = torch.cat([a.weight, b.weight]).detach() if plain else None
+        self._ab_weight = join_rows([a, b]) if plain else None
 
     def heads(self, x: torch.Tensor, mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """From x [b, L, hidden] and the conv output [b, C, L]: q, k [b, L, HK, K], v [b, L, HV, V],
