@@ -110,6 +110,23 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 @torch.no_grad()
+def time_phases(phases: list, reps: int, warm: int, device, after=None) -> list[list[float]]:
+    """Seconds of each phase, run in turn, per repetition (the device synced at every boundary), after `warm`
+    untimed repetitions; `after` runs untimed after each repetition."""
+    times: list[list[float]] = [[] for _ in phases]
+    for i in range(reps + warm):
+        sync(device)
+        for spans, phase in zip(times, phases, strict=True):
+            t0 = time.perf_counter()
+            phase()
+            sync(device)
+            if i >= warm:
+                spans.append(time.perf_counter() - t0)
+        if after is not None:
+            after()
+    return times
+
+
 def measure(model, cache, static, context: int, block: int, mask_id: int, reps: int, device,
             memory: bool = False) -> dict:
     c = model.config
@@ -147,28 +164,20 @@ def measure(model, cache, static, context: int, block: int, mask_id: int, reps: 
             cache.recurrent[i].copy_(recurrent)
             cache.conv[i].copy_(conv)
 
-    steps, commits, heads = [], [], []
     # Warm-ups on a GPU (Triton compiles, cuBLAS picks its kernels, the allocator grows); a CPU has nothing to
     # warm, and under the interpreter a tiny model's forward takes seconds.
     warm = 2 if device.type == "cuda" else 0
-    for i in range(reps + warm):
-        sync(device)
-        t0 = time.perf_counter()
-        hidden, _ = model._run(masked, cache.length, None, cache, need_states=False)
-        sync(device)
-        t1 = time.perf_counter()
-        logits = model.logits(hidden[:, positions])
-        chooser(logits[0], confidence="prob", banned_token_id=mask_id)
-        sync(device)
-        t2 = time.perf_counter()
-        model.commit(final, cache, block)
-        sync(device)
-        t3 = time.perf_counter()
-        undo_commit()
-        if i >= warm:
-            steps.append(t2 - t0)
-            heads.append(t2 - t1)
-            commits.append(t3 - t2)
+    hidden = {}
+
+    def run():
+        hidden["h"] = model._run(masked, cache.length, None, cache, need_states=False)[0]
+
+    def head():
+        chooser(model.logits(hidden["h"][:, positions])[0], confidence="prob", banned_token_id=mask_id)
+
+    runs, heads, commits = time_phases([run, head, lambda: model.commit(final, cache, block)], reps, warm, device,
+                                       after=undo_commit)
+    steps = [a + b for a, b in zip(runs, heads, strict=True)]
     # The split by component in passes of its own: the hooks record events on the host, time that would
     # add to a launch-bound step (about 160 events a step at Clover).
     timer = ComponentTimer(model, device)
@@ -186,20 +195,9 @@ def measure(model, cache, static, context: int, block: int, mask_id: int, reps: 
     timer.close()
     graph, graph_commits = [], []
     if static is not None:  # the same step and commit through the static (CUDA-graph) path
-        for i in range(reps + warm):
-            sync(device)
-            t0 = time.perf_counter()
-            logits = static(masked)
-            chooser(logits[0, positions], confidence="prob", banned_token_id=mask_id)
-            sync(device)
-            t1 = time.perf_counter()
-            static.commit(final)
-            sync(device)
-            t2 = time.perf_counter()
-            undo_commit()
-            if i >= warm:
-                graph.append(t1 - t0)
-                graph_commits.append(t2 - t1)
+        graph, graph_commits = time_phases(
+            [lambda: chooser(static(masked)[0, positions], confidence="prob", banned_token_id=mask_id),
+             lambda: static.commit(final)], reps, warm, device, after=undo_commit)
     med = statistics.median
     return {
         "context": context, "step_ms": 1e3 * med(steps), "commit_ms": 1e3 * med(commits),

@@ -121,7 +121,7 @@ GEMV_PROGRAMS_PER_SM = 4
 # Under TRITON_INTERPRET (CPU tests) the cost grows with the number of programs: few, large tiles.
 INTERPRET_GEMM = GemmConfig(16, 64, 32, 1, 4, 1)
 INTERPRET_GEMV = GemvConfig(128, 64, 4, 1)
-INTERPRET_MOE_GEMV = INTERPRET_GEMV  # tests set rows > 1 here to run the grouped MoE GEMV
+INTERPRET_MOE_GEMV = INTERPRET_GEMV  # the MoE's GEMV there: tests set a split, or rows=2 for the grouped kernel
 # Rows per expert below which the MoE takes the GEMV path instead of padding experts to BLOCK_M rows.
 MOE_GEMV_MAX_ROWS_PER_EXPERT = 4
 

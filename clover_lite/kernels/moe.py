@@ -49,22 +49,6 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
-def _grouped_moe(x, pairs, k: int, gate: Int4Weights, up: Int4Weights, down: Int4Weights, x_gate, x_up,
-                 add: tuple) -> torch.Tensor:
-    """The GEMV path with each expert's pairs in one program (moe_gemv.py); x_gate / x_up: the pairs' inputs
-    with columns in the experts' row order (act-order), else None (the kernel gathers x's rows itself)."""
-    groups = dict(expert=pairs.expert, rank=pairs.rank, count=pairs.count)
-    if x_gate is None:
-        inter = grouped_gemv(x, gate, w2=up, rows=pairs.token, **groups)
-    elif x_up is x_gate:
-        inter = grouped_gemv(x_gate, gate, w2=up, **groups)
-    else:
-        inter = _silu_mul(grouped_gemv(x_gate, gate, **groups), grouped_gemv(x_up, up, **groups))
-    inter = _gather_columns(inter, down, pairs.expert)
-    y = grouped_gemv(inter, down, row_scale=pairs.scale, sum_splits=False, **groups)
-    return combine(y, pairs.position, k, x.dtype, *add)
-
-
 def fused_moe(
     x: torch.Tensor,
     routing_weights: torch.Tensor,
@@ -105,19 +89,21 @@ def fused_moe(
     if P <= touched * gemv_max_rows:
         arch = _arch(x.device)
         cfg = configs.INTERPRET_MOE_GEMV if arch is None else configs.gemv_config(arch, moe=True)
-        if cfg.rows == 2 and gate.g_idx is None and down.g_idx is None:
-            return _grouped_moe(x, pairs, k, gate, up, down, x_gate if permuted else None,
-                                x_up if permuted else None, add)
+        if cfg.rows == 2 and gate.g_idx is None and down.g_idx is None:  # two pairs of an expert a program
+            def mv(inp, w, w2=None, **kw):
+                return grouped_gemv(inp, w, pairs.expert, pairs.rank, pairs.count, w2, **kw)
+        else:  # a program per pair
+            def mv(inp, w, w2=None, **kw):
+                return gemv(inp, w, w2, row_expert=sorted_e, n_rows=P, moe=True, **kw)
         if not permuted:
-            inter = gemv(x, gate, up, rows=token_of, row_expert=sorted_e, n_rows=P, moe=True)
+            inter = mv(x, gate, up, rows=token_of)
         elif x_up is x_gate:
-            inter = gemv(x_gate, gate, up, row_expert=sorted_e, n_rows=P, moe=True)
+            inter = mv(x_gate, gate, up)
         else:  # gate and up in different row orders (not what GPTQ writes): unfused
-            inter = _silu_mul(gemv(x_gate, gate, row_expert=sorted_e, moe=True),
-                              gemv(x_up, up, row_expert=sorted_e, moe=True))
+            inter = _silu_mul(mv(x_gate, gate), mv(x_up, up))
         inter = _gather_columns(inter, down, sorted_e)
         # The split-K partials go to the combine as they are: it sums them with the token's k rows.
-        y = gemv(inter, down, row_expert=sorted_e, row_scale=pairs.scale, n_rows=P, moe=True, sum_splits=False)
+        y = mv(inter, down, row_scale=pairs.scale, sum_splits=False)
         return combine(y, pairs.position, k, x.dtype, *add)
     cfg = gemm_config_for(x.device, int(P / max(touched, 1.0)))
     pos, padded_pairs, tile_expert, n_pad = align_by_expert(sorted_e.long(), E, cfg.block_m)

@@ -20,19 +20,13 @@ import triton.language as tl
 from . import configs
 from .w4a16 import (
     Int4Weights,
-    _arch,
-    _block_k,
-    _check_pair,
-    _check_x,
-    _compute_dtype,
     _first_group,
+    _gemv_plan,
+    _gemv_result,
     _group_params,
-    _k_splits,
     _next_group,
     _nibble_planes,
-    _sm_count,
     _split_planes,
-    _sum_splits,
 )
 
 
@@ -156,31 +150,18 @@ def grouped_gemv(x: torch.Tensor, w: Int4Weights, expert: torch.Tensor, rank: to
     for P pairs sorted by expert with each one's rank among its expert's pairs and that expert's pair count
     (moe_route.ExpertPairs). As w4a16.gemv(..., moe=True), whose table entry gives the tile;
     `sum_splits=False` returns the split-K partials [splits, P, N] as they are (not fused)."""
-    _check_x(x, w)
-    _check_pair(w, w2)
     if w.g_idx is not None:
         raise ValueError("the grouped GEMV takes weights without an act-order g_idx (repacked by group at load)")
-    fused = w2 is not None
-    if not sum_splits and fused:
-        raise ValueError("fused gate/up partials hold both projections: sum_splits=False is for one weight set")
-    cdt = _compute_dtype(x)
-    xc = x.to(cdt)
     P = expert.numel()
-    arch = _arch(x.device)
-    cfg = config or (configs.INTERPRET_GEMV if arch is None else configs.gemv_config(arch, moe=True))
-    if config is None and arch is not None:
-        # Programs that do work: about one per expert touched and column tile (P / 2 is a lower bound).
-        programs = triton.cdiv(P, 2) * triton.cdiv(w.N, cfg.block_n)
-        cfg = configs.gemv_split_to_fill(cfg, programs, w.K, _sm_count(x.device.index or 0))
-    if P == 0:
+    # Programs that do work: about one per expert touched and column tile (P / 2 is a lower bound).
+    plan = _gemv_plan(x, w, w2, P, config, True, sum_splits, pairs_per_program=2)
+    if plan is None:
         return torch.empty(*(() if sum_splits else (1,)), 0, w.N, device=x.device, dtype=x.dtype)
-    bk = _block_k(cfg.block_k, w)
-    k_per, split = _k_splits(w.K, cfg.split_k, bk)
-    width = 2 * w.N if fused and split > 1 else w.N
-    out = torch.empty(split, P, width, device=x.device, dtype=torch.float32 if split > 1 else cdt)
+    xc, cdt, cfg, bk, k_per, out = plan
+    fused = w2 is not None
     w2a = w2.args()[:3] if fused else w.args()[:3]
     dummy = out
-    _grouped_gemv_kernel[(P, triton.cdiv(w.N, cfg.block_n), split)](
+    _grouped_gemv_kernel[(P, triton.cdiv(w.N, cfg.block_n), out.shape[0])](
         xc, rows if rows is not None else dummy, expert, rank, count, out,
         row_scale if row_scale is not None else dummy,
         *w.args()[:3], *w2a,
@@ -188,11 +169,7 @@ def grouped_gemv(x: torch.Tensor, w: Int4Weights, expert: torch.Tensor, rank: to
         xc.stride(0), xc.stride(1), out.stride(0), out.stride(1), out.stride(2),
         *w.strides()[:9],
         BLOCK_N=cfg.block_n, BLOCK_K=bk,
-        HAS_ROWS=rows is not None, FUSE_GATE_UP=fused, HAS_ROW_SCALE=row_scale is not None, PARTIAL=split > 1,
-        EVEN_K=w.K % bk == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_ROWS=rows is not None, FUSE_GATE_UP=fused, HAS_ROW_SCALE=row_scale is not None,
+        PARTIAL=out.shape[0] > 1, EVEN_K=w.K % bk == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if not sum_splits:
-        return out
-    if split == 1:
-        return out[0].to(x.dtype)
-    return _sum_splits(out, w.N, cdt, gated=fused).to(x.dtype)
+    return _gemv_result(out, x, w, cdt, fused, sum_splits)

@@ -573,28 +573,15 @@ def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
     `moe`: the table's MoE entry (configs.MOE_GEMV_TABLE) instead of the dense one. `sum_splits=False` (not
     fused): the split-K partials as they are, [splits, n_rows, N] (fp32 when split), for a caller that sums
     them itself (the MoE's combine)."""
-    _check_x(x, w)
-    _check_pair(w, w2)
-    cdt = _compute_dtype(x)
-    xc = x.to(cdt)
     P = n_rows if n_rows is not None else x.shape[0]
-    arch = _arch(x.device)
-    cfg = config or (configs.INTERPRET_GEMV if arch is None else configs.gemv_config(arch, moe))
-    if config is None and arch is not None:
-        programs = P * triton.cdiv(w.N, cfg.block_n)
-        cfg = configs.gemv_split_to_fill(cfg, programs, w.K, _sm_count(x.device.index or 0))
-    if P == 0:
+    plan = _gemv_plan(x, w, w2, P, config, moe, sum_splits)
+    if plan is None:
         return torch.empty(*(() if sum_splits else (1,)), 0, w.N, device=x.device, dtype=x.dtype)
-    if not sum_splits and w2 is not None:
-        raise ValueError("fused gate/up partials hold both projections: sum_splits=False is for one weight set")
-    bk = _block_k(cfg.block_k, w)
-    k_per, split = _k_splits(w.K, cfg.split_k, bk)
+    xc, cdt, cfg, bk, k_per, out = plan
     fused = w2 is not None
-    width = 2 * w.N if fused and split > 1 else w.N
-    out = torch.empty(split, P, width, device=x.device, dtype=torch.float32 if split > 1 else cdt)
     w2a = w2.args() if fused else w.args()
     dummy = out
-    _gemv_kernel[(P, triton.cdiv(w.N, cfg.block_n), split)](
+    _gemv_kernel[(P, triton.cdiv(w.N, cfg.block_n), out.shape[0])](
         xc, rows if rows is not None else dummy, row_expert if row_expert is not None else dummy, out,
         row_scale if row_scale is not None else dummy,
         *w.args(), *w2a,
@@ -603,12 +590,44 @@ def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         *w.strides(),
         BLOCK_N=cfg.block_n, BLOCK_K=bk,
         HAS_ROWS=rows is not None, HAS_EXPERTS=row_expert is not None, HAS_GIDX=w.g_idx is not None,
-        FUSE_GATE_UP=fused, HAS_ROW_SCALE=row_scale is not None, PARTIAL=split > 1, EVEN_K=w.K % bk == 0,
+        FUSE_GATE_UP=fused, HAS_ROW_SCALE=row_scale is not None, PARTIAL=out.shape[0] > 1, EVEN_K=w.K % bk == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    return _gemv_result(out, x, w, cdt, fused, sum_splits)
+
+
+def _gemv_plan(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None, P: int, config, moe: bool,
+               sum_splits: bool, pairs_per_program: int = 1):
+    """What the GEMV launchers (gemv here, moe_gemv.grouped_gemv) share: the argument checks, the config
+    (the table's, its split-K trimmed to fill the GPU for about P / pairs_per_program programs per column
+    tile), the K tile and split, and the output [splits, P, N] (2N: fused gate/up partials). None for P = 0."""
+    _check_x(x, w)
+    _check_pair(w, w2)
+    if not sum_splits and w2 is not None:
+        raise ValueError("fused gate/up partials hold both projections: sum_splits=False is for one weight set")
+    cdt = _compute_dtype(x)
+    arch = _arch(x.device)
+    interp = configs.INTERPRET_MOE_GEMV if moe else configs.INTERPRET_GEMV
+    cfg = config or (interp if arch is None else configs.gemv_config(arch, moe))
+    if config is None and arch is not None:
+        programs = triton.cdiv(P, pairs_per_program) * triton.cdiv(w.N, cfg.block_n)
+        cfg = configs.gemv_split_to_fill(cfg, programs, w.K, _sm_count(x.device.index or 0))
+    if P == 0:
+        return None
+    bk = _block_k(cfg.block_k, w)
+    k_per, split = _k_splits(w.K, cfg.split_k, bk)
+    width = 2 * w.N if w2 is not None and split > 1 else w.N
+    out = torch.empty(split, P, width, device=x.device, dtype=torch.float32 if split > 1 else cdt)
+    return x.to(cdt), cdt, cfg, bk, k_per, out
+
+
+def _gemv_result(out: torch.Tensor, x: torch.Tensor, w: Int4Weights, cdt: torch.dtype, fused: bool,
+                 sum_splits: bool) -> torch.Tensor:
+    """The GEMV launchers' output [P, N] in x's dtype from their [splits, P, N (2N fused)] buffer, or the
+    buffer itself when the caller sums the splits."""
     if not sum_splits:
         return out
-    if split == 1:
+    if out.shape[0] == 1:
         return out[0].to(x.dtype)
     return _sum_splits(out, w.N, cdt, gated=fused).to(x.dtype)  # SiLU is not linear: after the sum
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..cache import GDNUpdate
 from .config import ModelConfig
-from .layers import GatedRMSNorm
+from .layers import GatedRMSNorm, join_rows
 
 
 def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,9 +147,7 @@ class GatedDeltaNet(nn.Module):
 
     def prepare(self) -> None:
         """With the Triton backend: in_proj_a and in_proj_b (plain linears, HV rows each) as one weight, which
-        both then view (moe.join_rows)."""
-        from .moe import join_rows
-
+        both then view (layers.join_rows)."""
         a, b = self.in_proj_a, self.in_proj_b
         plain = all(type(p) is nn.Linear and p.bias is None for p in (a, b))
         self._ab_weight = join_rows([a, b]) if plain else None

@@ -116,7 +116,20 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = getattr(self, "_gate_up", None) if self.backend == "triton" else None
         if gate_up is not None:
-            from .quantized import gate_up_silu
+            from .quantized import int4_matmul
 
-            return self.down_proj(gate_up_silu(x, *gate_up))
+            return self.down_proj(int4_matmul(x, *gate_up))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def join_rows(linears: list[nn.Module]) -> torch.Tensor:
+    """One weight [sum of out rows, in] for linears that see the same input, so one matmul serves them all;
+    each module's weight becomes a view of its rows, so nothing is stored twice and a module's own forward
+    still computes the same."""
+    joined = torch.cat([m.weight.detach() for m in linears])
+    start = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = joined[start : start + n]
+        start += n
+    return joined

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import SwiGLU
+from .layers import SwiGLU, join_rows
 
 
 class Router(nn.Module):
@@ -112,11 +112,9 @@ class SparseMoE(nn.Module):
             # One matmul gives the router's logits and the shared expert's gate logit (last column); the
             # softmax, top-k and renormalisation are one kernel, the gate is applied in the experts' combine.
             E = self.gate.weight.shape[0]
-            rows = getattr(self, "_gate_rows", None)  # set by prepare (dispatch.apply)
-            if rows is None:
-                gate_rows = [self.gate.weight] + ([self.shared_expert_gate.weight] if shared is not None else [])
-                rows = torch.cat(gate_rows)
-            logits = F.linear(flat, rows)
+            if getattr(self, "_gate_rows", None) is None:  # dispatch.apply prepares; a backend set by hand not
+                self.prepare()
+            logits = F.linear(flat, self._gate_rows)
             weights, ids = topk_softmax(logits[:, :E], self.gate.top_k, self.gate.normalize, flat.dtype)
             shared_logit = logits[:, E:] if shared is not None else None
             return self.experts(flat, weights, ids, shared=shared, shared_logit=shared_logit).reshape(shape)
@@ -132,15 +130,3 @@ class SparseMoE(nn.Module):
         mods = [self.gate] + ([self.shared_expert_gate] if self.shared_expert_gate is not None else [])
         self._gate_rows = join_rows(mods)
 
-
-def join_rows(linears: list[nn.Module]) -> torch.Tensor:
-    """One weight [sum of out rows, in] for linears that see the same input, so one matmul serves them all;
-    each module's weight becomes a view of its rows, so nothing is stored twice and a module's own forward
-    still computes the same."""
-    joined = torch.cat([m.weight.detach() for m in linears])
-    start = 0
-    for m in linears:
-        n = m.weight.shape[0]
-        m.weight.data = joined[start : start + n]
-        start += n
-    return joined

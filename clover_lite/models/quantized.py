@@ -93,14 +93,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "triton":
-            from ..kernels.w4a16 import gemm, gemv
-
-            x2 = x.reshape(-1, self.in_features)
-            w = getattr(self, "_int4", None) or self.int4()
-            if w.perm is not None:
-                x2 = x2.index_select(1, w.perm[0])
-            y = gemv(x2, w) if x2.shape[0] <= 4 else gemm(x2, w)
-            y = y.reshape(*x.shape[:-1], self.out_features)
+            y = int4_matmul(x, getattr(self, "_int4", None) or self.int4())
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight_of(dtype=x.dtype), self.bias)
 
@@ -208,15 +201,17 @@ def fused_gate_up(gate: nn.Module, up: nn.Module):
     return g, u
 
 
-def gate_up_silu(x: torch.Tensor, gate, up) -> torch.Tensor:
-    """silu(x gate^T) * (x up^T) [..., N] in one INT4 GEMM (or GEMV) launch, for fused_gate_up's weights."""
+def int4_matmul(x: torch.Tensor, w, w2=None) -> torch.Tensor:
+    """x [..., K] times one linear's INT4 weights (kernels.w4a16.Int4Weights) -> [..., N] on the kernels: the
+    GEMV for up to 4 rows, else the GEMM; x's columns gathered first for weights repacked by group. With `w2`
+    (fused_gate_up's pair): silu(x w^T) * (x w2^T) in the same launch."""
     from ..kernels.w4a16 import gemm, gemv
 
-    x2 = x.reshape(-1, gate.K)
-    if gate.perm is not None:
-        x2 = x2.index_select(1, gate.perm[0])
-    y = gemv(x2, gate, up) if x2.shape[0] <= 4 else gemm(x2, gate, up)
-    return y.reshape(*x.shape[:-1], gate.N)
+    x2 = x.reshape(-1, w.K)
+    if w.perm is not None:
+        x2 = x2.index_select(1, w.perm[0])
+    y = gemv(x2, w, w2) if x2.shape[0] <= 4 else gemm(x2, w, w2)
+    return y.reshape(*x.shape[:-1], w.N)
 
 
 def gptq_experts(num_experts: int, hidden: int, intermediate: int, groups_in: int, groups_down: int,
