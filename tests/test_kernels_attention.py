@@ -113,6 +113,20 @@ def test_other_head_dims_and_strided_inputs(D):
     torch.testing.assert_close(y, sdpa, **tol(F32))
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_gate_read_in_place_from_the_query_projection(splits):
+    # GatedAttention passes the gate half of q_proj's [b, L, Hq, 2D] output as it is: a strided 4-D view.
+    b, Hq, Hkv, L, D = 2, 4, 2, 5, 64
+    args = make_inputs(b, Hq, Hkv, L, D, 70, 80, F32, False)
+    qg = torch.randn(b, L, Hq, 2 * D, generator=GEN) * 2
+    args["gate"] = qg[..., D:]
+    assert not args["gate"].is_contiguous()
+    y = block_attention(**args, num_splits=splits)
+    want = float64_attention(**{**args, "gate": args["gate"].reshape(b, L, Hq * D)})
+    torch.testing.assert_close(y.double(), want, **tol(F32))
+    torch.testing.assert_close(block_attention_reference(**args).double(), want, **tol(F32))
+
+
 def test_split_kv_equals_single_split(monkeypatch):
     # 32-key steps over 200 keys: 7 steps, so 1, 3 and 7 splits all exist; 16-row merge tiles over 80 rows.
     monkeypatch.setattr(configs, "INTERPRET_ATTENTION", configs.AttentionConfig(512, 32, 4, 1, 16))

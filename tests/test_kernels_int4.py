@@ -299,18 +299,21 @@ def _moe_expert(gate, up, down, e, h):
 
 
 @pytest.mark.parametrize("T, rows", [(3, 1), (3, 2), (30, 1)])  # GEMV path (one, two pairs), padded path
-def test_fused_moe_adds_the_gated_shared_expert_in_the_combine(monkeypatch, T, rows):
-    """sigmoid(logit) * shared added to the experts' sum (the MoE layer's shared expert), on the GEMV path
-    (one and two pairs per program) and the padded path, against float64."""
+def test_fused_moe_adds_the_gated_shared_expert_and_the_residual_in_the_combine(monkeypatch, T, rows):
+    """sigmoid(logit) * shared (the MoE layer's shared expert) and the decoder's residual added to the
+    experts' sum, on the GEMV path (one and two pairs per program) and the padded path, against float64."""
     monkeypatch.setattr(configs, "INTERPRET_MOE_GEMV", configs.GemvConfig(128, 64, 4, 1, split_k=2, rows=rows))
     x, wts, ids, gate, up, down, ref = _moe_case(8, 2, T)
     shared = torch.randn(T, x.shape[1], generator=GEN)
     logit = torch.randn(T, 1, generator=GEN) * 2
-    out = fused_moe(x, wts, ids, gate, up, down, shared=shared, shared_logit=logit)
-    want = ref + torch.sigmoid(logit.double()) * shared.double()
+    residual = torch.randn(T, x.shape[1], generator=GEN)
+    out = fused_moe(x, wts, ids, gate, up, down, shared=shared, shared_logit=logit, residual=residual)
+    want = ref + torch.sigmoid(logit.double()) * shared.double() + residual.double()
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="shared expert"):
         fused_moe(x, wts, ids, gate, up, down, shared=shared)
+    with pytest.raises(ValueError, match="residual must have"):
+        fused_moe(x, wts, ids, gate, up, down, residual=residual[:, 1:])
 
 
 @pytest.mark.parametrize("M", [3, 21])
@@ -354,7 +357,8 @@ def test_model_with_triton_kernels_generates_like_the_reference(tiny2_dir, tmp_p
     with torch.no_grad():
         ids = torch.randint(0, 256, (1, 20), generator=GEN)  # 40 (token, expert) pairs: the tiled MoE path
         torch.testing.assert_close(tri.model(ids, block_size=4), ref.model(ids, block_size=4), atol=1e-4, rtol=1e-4)
-    assert tri.generate([5, 6, 7], max_new_tokens=4).token_ids == ref.generate([5, 6, 7], max_new_tokens=4).token_ids
+    kw = dict(max_new_tokens=4, steps_per_block=2)
+    assert tri.generate([5, 6, 7], **kw).token_ids == ref.generate([5, 6, 7], **kw).token_ids
 
 
 def test_every_tuning_config_fits_its_architecture():

@@ -89,6 +89,11 @@ def test_combine_sums_splits_and_pairs_in_float64(splits, T, k, N, dtype):
     assert out.dtype == dtype and out.shape == (T, N)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    # The decoder's residual, added in the same kernel (in its own dtype, summed in fp32).
+    residual = torch.randn(T, N, generator=g).to(dtype)
+    out = combine(y, rows, k, dtype, residual=residual)
+    ref = ref + residual.double()
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
 def test_router_kernel_in_the_moe_layer_matches_torch():
@@ -145,3 +150,5 @@ def test_bad_arguments():
         sort_pairs(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 2), 4)
     with pytest.raises(ValueError, match="multiple of top-k"):
         combine(torch.zeros(1, 4, 8), torch.zeros(5, dtype=torch.int32), 2, torch.float32)
+    with pytest.raises(ValueError, match="residual must be"):
+        combine(torch.zeros(1, 4, 8), torch.zeros(4, dtype=torch.int32), 2, torch.float32, residual=torch.zeros(2, 7))

@@ -58,12 +58,15 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, offs_n, n_ok, offs_d, d_ok, s_kn, 
 
 
 @triton.jit
-def _store_out(o, g_row, o_row, head, row_ok, offs_d, d_ok, D, gate_ptr, out_ptr, s_gc, s_oc, HAS_GATE: tl.constexpr):
-    """o [rows, BLOCK_D] fp32 (normalised) -> out[.., head * D + d] at row offsets o_row, times sigmoid(gate)."""
+def _store_out(o, g_row, o_row, head, row_ok, offs_d, d_ok, D, gate_ptr, out_ptr, s_gh, s_gd, s_oc,
+               HAS_GATE: tl.constexpr):
+    """o [rows, BLOCK_D] fp32 (normalised) -> out[.., head * D + d] at row offsets o_row, times sigmoid(gate),
+    the gate read at g_row + head * s_gh + d * s_gd (a strided view: q_proj's gate half, no copy)."""
     col = head[:, None] * D + offs_d[None, :]
     mask = row_ok[:, None] & d_ok[None, :]
     if HAS_GATE:
-        g = tl.load(gate_ptr + g_row[:, None] + col * s_gc, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + g_row[:, None] + head[:, None] * s_gh + offs_d[None, :] * s_gd, mask=mask,
+                    other=0.0).to(tl.float32)
         o = o / (1.0 + tl.exp(-g))
     tl.store(out_ptr + o_row[:, None] + col * s_oc, o.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -77,7 +80,7 @@ def _block_attn_kernel(
     s_vcb, s_vch, s_vcn, s_vcd,
     s_kbb, s_kbh, s_kbn, s_kbd,
     s_vbb, s_vbh, s_vbn, s_vbd,
-    s_gb, s_gl, s_gc, s_ob, s_ol, s_oc,
+    s_gb, s_gl, s_gh, s_gd, s_ob, s_ol, s_oc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
     SPLIT: tl.constexpr, HAS_GATE: tl.constexpr, DOT_IEEE: tl.constexpr, LEN_IN_MEMORY: tl.constexpr,
 ):
@@ -136,13 +139,13 @@ def _block_attn_kernel(
         tl.store(pl_ptr + row0 + flat, l_i, mask=row_ok)
     else:
         _store_out(acc / l_i[:, None], pos * s_gl, pos * s_ol, head, row_ok, offs_d, d_ok, D,
-                   gate_ptr + bi * s_gb, out_ptr + bi * s_ob, s_gc, s_oc, HAS_GATE)
+                   gate_ptr + bi * s_gb, out_ptr + bi * s_ob, s_gh, s_gd, s_oc, HAS_GATE)
 
 
 @triton.jit
 def _merge_kernel(
     po_ptr, pm_ptr, pl_ptr, gate_ptr, out_ptr, n_rows, num_splits, Hq, L, D,
-    s_gb, s_gl, s_gc, s_ob, s_ol, s_oc,
+    s_gb, s_gl, s_gh, s_gd, s_ob, s_ol, s_oc,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -164,7 +167,15 @@ def _merge_kernel(
     bi = r // (Hq * L)
     pos = r % L
     _store_out(o, bi * s_gb + pos * s_gl, bi * s_ob + pos * s_ol, (r // L) % Hq, r_ok, offs_d, d_ok, D,
-               gate_ptr, out_ptr, s_gc, s_oc, HAS_GATE)
+               gate_ptr, out_ptr, s_gh, s_gd, s_oc, HAS_GATE)
+
+
+def _gate_strides(gate: torch.Tensor, D: int) -> tuple[int, int, int, int]:
+    """The gate's (batch, position, head, dim) strides, from [b, L, Hq*D] or a [b, L, Hq, D] view."""
+    if gate.dim() == 4:
+        return gate.stride()
+    sb, sl, sc = gate.stride()
+    return sb, sl, D * sc, sc
 
 
 # ---- launcher ----------------------------------------------------------------------------------------
@@ -220,9 +231,9 @@ def _check_args(q, k_cache, v_cache, k_block, v_block, cache_len, scale, gate, n
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
     if gate is not None:
-        if not isinstance(gate, torch.Tensor) or tuple(gate.shape) != (b, L, Hq * D):
+        if not isinstance(gate, torch.Tensor) or tuple(gate.shape) not in ((b, L, Hq * D), (b, L, Hq, D)):
             shape = tuple(gate.shape) if isinstance(gate, torch.Tensor) else type(gate).__name__
-            raise ValueError(f"gate must be [b, L, Hq*D] = {(b, L, Hq * D)}, got {shape}")
+            raise ValueError(f"gate must be [b, L, Hq*D] = {(b, L, Hq * D)} or [b, L, Hq, D], got {shape}")
         if gate.dtype != q.dtype:
             raise ValueError(f"gate is {gate.dtype} but q is {q.dtype}: they must match")
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
@@ -300,11 +311,12 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     q [b, Hq, L, D]; k_cache, v_cache [b, Hkv, capacity, D] of which the first cache_len positions are valid
     (the rest is never read); k_block, v_block [b, Hkv, L, D]; scale defaults to D**-0.5; gate [b, L, Hq*D]
-    multiplies the output by sigmoid(gate). num_splits (KV splits, flash-decoding) is chosen from cache_len
-    when None. cache_len may be a one-element int tensor on the device (then num_splits is required): the
-    kernel reads it, so a captured CUDA graph replays with the current length. Returns [b, L, Hq*D] in q's
-    dtype (the layout o_proj takes). L <= 64, Hq % Hkv == 0,
-    D a multiple of 16 up to 256; fp16, bf16 or fp32, every input the same dtype, fp32 accumulation.
+    or [b, L, Hq, D] (any strides: q_proj's gate half is read in place) multiplies the output by
+    sigmoid(gate). num_splits (KV splits, flash-decoding) is chosen from cache_len when None. cache_len may
+    be a one-element int tensor on the device (then num_splits is required): the kernel reads it, so a
+    captured CUDA graph replays with the current length. Returns [b, L, Hq*D] in q's dtype (the layout
+    o_proj takes). L <= 64, Hq % Hkv == 0, D a multiple of 16 up to 256; fp16, bf16 or fp32, every input
+    the same dtype, fp32 accumulation.
     """
     b, Hq, Hkv, L, D, cap, cache_len = _check_args(q, k_cache, v_cache, k_block, v_block, cache_len, scale, gate,
                                                    num_splits)
@@ -345,7 +357,7 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache, v_cache = k_block, v_block
     len_ptr = cache_len if in_memory else out  # unused pointer when the length is a launch argument
     g = gate if gate is not None else out
-    gs = gate.stride() if gate is not None else (0, 0, 0)
+    gs = _gate_strides(gate, D) if gate is not None else (0, 0, 0, 0)
     dot_ieee = cdt == torch.float32
     _block_attn_kernel[(m_tiles, splits, b * Hkv)](
         q, k_cache, v_cache, k_block, v_block, g, out, po, pm, pl,
@@ -380,5 +392,5 @@ def block_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     p = torch.softmax(q.float() @ k.transpose(-1, -2) * scale, dim=-1)
     o = (p @ v).transpose(1, 2).reshape(b, L, Hq * D)
     if gate is not None:
-        o = o * torch.sigmoid(gate.float())
+        o = o * torch.sigmoid(gate.float().reshape(b, L, Hq * D))
     return o.to(q.dtype)

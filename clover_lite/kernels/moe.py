@@ -60,9 +60,11 @@ def fused_moe(
     validate: bool = True,
     shared: torch.Tensor | None = None,
     shared_logit: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, hidden], routing weights / expert ids [T, k] -> sum_k w * down(silu(gate(x)) * up(x)) [T, hidden],
-    plus sigmoid(shared_logit) * shared ([T, 1] and [T, hidden]: the shared expert) if given, in the combine."""
+    plus sigmoid(shared_logit) * shared ([T, 1] and [T, hidden]: the shared expert) and `residual`
+    ([T, hidden]) if given, in the combine."""
     T, k = expert_ids.shape
     if x.dim() != 2 or x.shape[0] != T:
         raise ValueError(f"x must be [T, hidden] with T = {T}, got {tuple(x.shape)}")
@@ -74,7 +76,9 @@ def fused_moe(
     if (shared is None) != (shared_logit is None) or (shared is not None and (
             shared.shape != x.shape or shared_logit.shape != (T, 1))):
         raise ValueError(f"the shared expert needs its output {tuple(x.shape)} and gate logits {(T, 1)} together")
-    add = (shared, shared_logit)
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    add = (shared, shared_logit, residual)
     pairs = sort_pairs(expert_ids, routing_weights, E)
     sorted_e, token_of = pairs.expert, pairs.token
     P = sorted_e.numel()

@@ -154,8 +154,9 @@ def sort_pairs_reference(expert_ids: torch.Tensor, routing_weights: torch.Tensor
 
 
 @triton.jit
-def _combine_kernel(y_ptr, rows_ptr, out_ptr, add_ptr, logit_ptr, T, N, SPLITS, s_ys, s_ym, s_om, s_am, s_lm,
-                    K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+def _combine_kernel(y_ptr, rows_ptr, out_ptr, add_ptr, logit_ptr, res_ptr, T, N, SPLITS, s_ys, s_ym, s_om, s_am,
+                    s_lm, s_rm, K: tl.constexpr, HAS_ADD: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     t_ok = offs_t < T
@@ -170,14 +171,17 @@ def _combine_kernel(y_ptr, rows_ptr, out_ptr, add_ptr, logit_ptr, T, N, SPLITS, 
         gl = tl.load(logit_ptr + offs_t * s_lm, mask=t_ok, other=0.0).to(tl.float32)
         sh = tl.load(add_ptr + offs_t[:, None] * s_am + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         acc += sh / (1.0 + tl.exp(-gl))[:, None]
+    if HAS_RESIDUAL:  # the decoder layer's residual stream: x + mlp(h) with no launch of its own
+        acc += tl.load(res_ptr + offs_t[:, None] * s_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_t[:, None] * s_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def combine(y: torch.Tensor, rows: torch.Tensor, k: int, dtype: torch.dtype, add: torch.Tensor | None = None,
-            add_logit: torch.Tensor | None = None) -> torch.Tensor:
+            add_logit: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """y [splits, R, N] (the down projection's split-K partials, or [1, R, N]), rows [T * k]: the row of y
     holding pair i -> out [T, N] in dtype, out[t] = sum over splits and j < k of y[:, rows[t * k + j]],
-    plus sigmoid(add_logit[t]) * add[t] with `add` [T, N] and `add_logit` [T, 1] (the shared expert)."""
+    plus sigmoid(add_logit[t]) * add[t] with `add` [T, N] and `add_logit` [T, 1] (the shared expert), plus
+    residual[t] ([T, N]), all summed in fp32 and rounded once."""
     if y.dim() != 3 or y.stride(2) != 1:
         raise ValueError(f"y must be [splits, rows, N] with unit column stride, got shape {tuple(y.shape)}")
     if rows.numel() % k:
@@ -186,6 +190,8 @@ def combine(y: torch.Tensor, rows: torch.Tensor, k: int, dtype: torch.dtype, add
     if add is not None and (add.shape != (T, N) or add.stride(1) != 1 or add_logit is None
                             or add_logit.shape != (T, 1)):
         raise ValueError(f"add must be [T, N] = {(T, N)} (unit column stride) with add_logit [T, 1]")
+    if residual is not None and (residual.shape != (T, N) or residual.stride(1) != 1):
+        raise ValueError(f"residual must be [T, N] = {(T, N)} with unit column stride, got {tuple(residual.shape)}")
     out = torch.empty(T, N, device=y.device, dtype=dtype)
     if T and N:
         if interpreting():  # few, large tiles
@@ -193,8 +199,9 @@ def combine(y: torch.Tensor, rows: torch.Tensor, k: int, dtype: torch.dtype, add
         else:
             block_t, block_n = 1, min(1024, triton.next_power_of_2(N))
         _combine_kernel[(triton.cdiv(T, block_t), triton.cdiv(N, block_n))](
-            y, rows, out, add if add is not None else y, add_logit if add is not None else y, T, N, y.shape[0],
-            y.stride(0), y.stride(1), out.stride(0), add.stride(0) if add is not None else 0,
-            add_logit.stride(0) if add is not None else 0, K=k, HAS_ADD=add is not None, BLOCK_T=block_t,
-            BLOCK_N=block_n, num_warps=4)
+            y, rows, out, add if add is not None else y, add_logit if add is not None else y,
+            residual if residual is not None else y, T, N, y.shape[0], y.stride(0), y.stride(1), out.stride(0),
+            add.stride(0) if add is not None else 0, add_logit.stride(0) if add is not None else 0,
+            residual.stride(0) if residual is not None else 0, K=k, HAS_ADD=add is not None,
+            HAS_RESIDUAL=residual is not None, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=4)
     return out

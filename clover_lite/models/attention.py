@@ -96,7 +96,7 @@ class GatedAttention(nn.Module):
             kc, vc = past if past is not None else (new.k[:, :, :0], new.v[:, :, :0])
             length = past_len if past_len is not None else kc.shape[2]
             out = block_attention(q, kc, vc, new.k, new.v, length, self.head_dim**-0.5,
-                                  gate=gate.reshape(b, L, -1), num_splits=num_splits)
+                                  gate=gate, num_splits=num_splits)
             return self.o_proj(out), new
         if past_len is not None:  # SDPA below would attend to the whole buffers, unwritten rows included
             raise ValueError("a device-side past_len needs the Triton backend, no mask and a block of at most "

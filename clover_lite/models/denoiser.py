@@ -68,7 +68,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, LayerUpdate | None]:
         mixed, update = self.mix(x, cos, sin, mask, past_kv, gdn_state, need_state, past_len, num_splits)
         h, x = self.post_attention_layernorm.forward_add(mixed, x)
-        return x + self.mlp(h), update
+        return self.mlp(h, residual=x), update  # the MoE adds x in its combine kernel
 
 
 class Denoiser(nn.Module):

@@ -113,13 +113,16 @@ class SwiGLU(nn.Module):
 
         self._gate_up = fused_gate_up(self.gate_proj, self.up_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)), plus `residual` (x's shape) if given."""
         gate_up = getattr(self, "_gate_up", None) if self.backend == "triton" else None
         if gate_up is not None:
             from .quantized import int4_matmul
 
-            return self.down_proj(int4_matmul(x, *gate_up))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            out = self.down_proj(int4_matmul(x, *gate_up))
+        else:
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out if residual is None else residual + out
 
 
 def join_rows(linears: list[nn.Module]) -> torch.Tensor:

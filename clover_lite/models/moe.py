@@ -48,14 +48,19 @@ class Experts(nn.Module):
         return F.linear(F.silu(gate) * up, self.down_proj[e])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None = None,
-                shared_logit: torch.Tensor | None = None) -> torch.Tensor:
-        """The routed experts' weighted sum [T, hidden], plus sigmoid(shared_logit) * shared if given."""
-        return add_shared(dispatch(x, weights, ids, self.gate_up_proj.shape[0], self.expert), shared, shared_logit)
+                shared_logit: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum [T, hidden], plus sigmoid(shared_logit) * shared and residual if
+        given."""
+        out = dispatch(x, weights, ids, self.gate_up_proj.shape[0], self.expert)
+        return add_shared(out, shared, shared_logit, residual)
 
 
-def add_shared(out: torch.Tensor, shared: torch.Tensor | None, shared_logit: torch.Tensor | None) -> torch.Tensor:
-    """out + sigmoid(shared_logit) * shared: the shared expert's output [T, hidden] under its gate [T, 1]."""
-    return out if shared is None else out + torch.sigmoid(shared_logit) * shared
+def add_shared(out: torch.Tensor, shared: torch.Tensor | None, shared_logit: torch.Tensor | None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """out + sigmoid(shared_logit) * shared (the shared expert's output [T, hidden] under its gate [T, 1]),
+    then residual + that: the torch path of what the Triton combine sums in one kernel."""
+    out = out if shared is None else out + torch.sigmoid(shared_logit) * shared
+    return out if residual is None else residual + out
 
 
 def dispatch(
@@ -99,12 +104,14 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False) if self.shared_expert else None
 
     def forward(
-        self, x: torch.Tensor, return_routing: bool = False
+        self, x: torch.Tensor, return_routing: bool = False, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [..., hidden] -> output of x's shape; with return_routing also the router's probabilities
-        [T, E] and chosen expert ids [T, k] (training's load-balancing loss reads them)."""
+        """x [..., hidden] -> output of x's shape, plus `residual` (x's shape) if given: the decoder's
+        residual add, done in the experts' combine on the kernel path; with return_routing also the router's
+        probabilities [T, E] and chosen expert ids [T, k] (training's load-balancing loss reads them)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        res = residual.reshape(flat.shape) if residual is not None else None
         shared = self.shared_expert(flat) if self.shared_expert is not None else None
         if self.backend == "triton" and not return_routing:
             from ..kernels.moe_route import topk_softmax
@@ -117,11 +124,12 @@ class SparseMoE(nn.Module):
             logits = F.linear(flat, self._gate_rows)
             weights, ids = topk_softmax(logits[:, :E], self.gate.top_k, self.gate.normalize, flat.dtype)
             shared_logit = logits[:, E:] if shared is not None else None
-            return self.experts(flat, weights, ids, shared=shared, shared_logit=shared_logit).reshape(shape)
+            return self.experts(flat, weights, ids, shared=shared, shared_logit=shared_logit,
+                                residual=res).reshape(shape)
         probs = self.gate.probs(flat)
         weights, ids = self.gate.select(probs, flat.dtype)
         shared_logit = self.shared_expert_gate(flat) if shared is not None else None
-        out = self.experts(flat, weights, ids, shared=shared, shared_logit=shared_logit)
+        out = self.experts(flat, weights, ids, shared=shared, shared_logit=shared_logit, residual=res)
         return (out.reshape(shape), probs, ids) if return_routing else out.reshape(shape)
 
     def prepare(self) -> None:

@@ -154,18 +154,19 @@ class QuantExperts(nn.Module):
         share_row_order(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None = None,
-                shared_logit: torch.Tensor | None = None) -> torch.Tensor:
-        """As moe.Experts.forward, the shared expert's gated output added in the combine on the kernel path."""
+                shared_logit: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """As moe.Experts.forward; the shared expert's gated output and the residual are added in the combine
+        on the kernel path."""
         if self.backend == "triton" and isinstance(self.gate_proj, QuantLinear):
             from ..kernels.moe import fused_moe
 
             parts = [getattr(p, "_int4", None) or p.int4() for p in (self.gate_proj, self.up_proj, self.down_proj)]
-            extra = dict(validate=False, shared=shared, shared_logit=shared_logit)
+            extra = dict(validate=False, shared=shared, shared_logit=shared_logit, residual=residual)
             if self.graph_safe:
                 return fused_moe(x, weights, ids, *parts, gemv_max_rows=1 << 30, **extra)
             return fused_moe(x, weights, ids, *parts, **extra)
         # Reference path: each expert that received tokens is dequantized and run once.
-        return add_shared(dispatch(x, weights, ids, self.num_experts, self.expert), shared, shared_logit)
+        return add_shared(dispatch(x, weights, ids, self.num_experts, self.expert), shared, shared_logit, residual)
 
 
 def share_row_order(gate: nn.Module, up: nn.Module) -> None:
