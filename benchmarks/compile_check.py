@@ -41,14 +41,14 @@ FLOAT_SCALARS = {"qk_scale", "inv_temp"}
 # becomes a constant (the innermost stride of a row-major tensor), and pointers and integers that are
 # multiples of 16 are marked so; both decide whether loads can be 16 bytes wide. Named for the INT4, GDN
 # and attention kernels (Clover: K = V = 128, 32 value heads, head_dim 256).
-UNIT_STRIDES = {"s_xk", "s_on", "s_qn", "s_sn", "s_zn", "s_gk", "s_qd", "s_kcd", "s_vcd", "s_kbd", "s_vbd", "s_gc",
+UNIT_STRIDES = {"s_xk", "s_on", "s_qn", "s_sn", "s_zn", "s_gk", "s_qd", "s_kcd", "s_vcd", "s_kbd", "s_vbd", "s_gd",
                 "s_oc"}
 MULTIPLES_OF_16 = {"N", "K", "k_per_split", "group_size", "s_xm", "s_om", "s_os", "s_qe", "s_qk", "s_se", "s_sg",
                    "s_ze", "s_zg", "s_ge",  # W4A16
                    "V", "HV", "s_qb", "s_qt", "s_qh", "s_vb", "s_vt", "s_vh", "s_gb", "s_gt", "s_sb", "s_sh", "s_sk",
                    "s_ob", "s_ot", "s_oh",  # GDN
                    "D", "s_ql", "s_kcb", "s_kch", "s_kcn", "s_vcb", "s_vch", "s_vcn", "s_kbb", "s_kbh",
-                   "s_kbn", "s_vbb", "s_vbh", "s_vbn", "s_gl", "s_ol",  # attention
+                   "s_kbn", "s_vbb", "s_vbh", "s_vbn", "s_gl", "s_gh", "s_ol",  # attention
                    "s_lr"}  # sampling (V as above)
 
 
@@ -190,8 +190,8 @@ def cases(arch: str, quick: bool):
                                                                    "count_ptr")}},
            dict(BLOCK_I=64, BLOCK_J=32), 4, 1, None)
     yield ("moe route combine", route_k._combine_kernel,
-           {"y_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": act, "add_ptr": act, "logit_ptr": act},
-           dict(K=8, HAS_ADD=True, BLOCK_T=1, BLOCK_N=1024), 4, 1, None)
+           {"y_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": act, "add_ptr": act, "logit_ptr": act, "res_ptr": act},
+           dict(K=8, HAS_ADD=True, HAS_RESIDUAL=True, BLOCK_T=1, BLOCK_N=1024), 4, 1, None)
     # The GDN layer's input kernel (gdn_prep.py) at the GPU tile (a token, 4 heads of 128 channels), with and
     # without the conv tail written (commit / step).
     for tail in (False, True):
