@@ -194,6 +194,21 @@ def test_step_benchmark_through_the_kernels_and_the_static_step(tmp_path, monkey
     assert not any("index_copy" in p["kernel"] for p in profiles["step (static)"])
 
 
+def test_compile_check_describes_every_kernel_as_launched(monkeypatch):
+    """Every case of benchmarks/compile_check.py gives each of its kernel's constexprs a value, and each
+    stride it specializes (unit, multiple of 16) is still some kernel's argument: the cheap half of the
+    compile check (no compiler run), over every architecture and case."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the script drops it on import: put back for later tests
+    cc = runpy.run_path(str(BENCH / "compile_check.py"), run_name="bench")
+    seen, n = set(), 0
+    for arch in cc["configs"].SMEM_LIMIT:
+        for _name, fn, pointers, consts, *_ in cc["cases"](arch, quick=False):
+            cc["source"](fn, pointers, consts, as_run=True)  # raises on a constexpr without a value
+            seen.update(fn.arg_names)
+            n += 1
+    assert n > 100 and not (cc["UNIT_STRIDES"] | cc["MULTIPLES_OF_16"]) - seen
+
+
 def test_kernels_compile_for_a_gpu_target():
     """The Triton compiler (no GPU needed) builds the heaviest kernel variants for sm_86, the architecture
     with the least shared memory, within its limit: what the interpreter cannot check (tl.dot shapes and
