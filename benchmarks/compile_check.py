@@ -230,6 +230,27 @@ def cases(arch: str, quick: bool):
                        attn_k._block_attn_kernel, ptrs, consts, cfg.num_warps, cfg.num_stages, cfg.smem_bytes(D, 2))
 
 
+def check_sources(archs: list[str]) -> int:
+    """Build every case's source as --as-run would, without compiling: a case that misses a kernel's new
+    constexpr, or a specialized stride that no kernel has any more, is found before a GPU session."""
+    failures, seen, n = 0, set(), 0
+    for arch in archs:
+        for name, fn, ptrs, consts, *_ in cases(arch, quick=False):
+            n += 1
+            seen.update(fn.arg_names)
+            try:
+                source(fn, ptrs, consts, as_run=True)
+            except ValueError as e:
+                failures += 1
+                print(f"FAIL {arch} {name}: {e}")
+    stale = sorted((UNIT_STRIDES | MULTIPLES_OF_16) - seen)
+    if stale:
+        failures += 1
+        print(f"FAIL specialized arguments that no kernel has: {stale}")
+    print(f"{n} case(s) over {len(archs)} architecture(s); {failures} failure(s)")
+    return 1 if failures else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--archs", nargs="+", default=list(configs.SMEM_LIMIT))
@@ -239,7 +260,12 @@ def main(argv=None) -> int:
                     help="compile with the launcher's run-time specializations (unit strides, multiples of 16) "
                          "and print PTX instruction and load counts, registers and stack, and the SASS instructions "
                          "and conversions in the main loop per kernel")
+    ap.add_argument("--sources-only", action="store_true",
+                    help="only check each case against its kernel (every constexpr given a value, every specialized "
+                         "stride still some kernel's argument), compiling nothing: a second")
     args = ap.parse_args(argv)
+    if args.sources_only:
+        return check_sources(args.archs)
     failures = 0
     for arch in args.archs:
         limit = configs.SMEM_LIMIT[arch]

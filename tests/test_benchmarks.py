@@ -194,19 +194,20 @@ def test_step_benchmark_through_the_kernels_and_the_static_step(tmp_path, monkey
     assert not any("index_copy" in p["kernel"] for p in profiles["step (static)"])
 
 
-def test_compile_check_describes_every_kernel_as_launched(monkeypatch):
+def test_compile_check_describes_every_kernel_as_launched():
     """Every case of benchmarks/compile_check.py gives each of its kernel's constexprs a value, and each
     stride it specializes (unit, multiple of 16) is still some kernel's argument: the cheap half of the
-    compile check (no compiler run), over every architecture and case."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the script drops it on import: put back for later tests
-    cc = runpy.run_path(str(BENCH / "compile_check.py"), run_name="bench")
-    seen, n = set(), 0
-    for arch in cc["configs"].SMEM_LIMIT:
-        for _name, fn, pointers, consts, *_ in cc["cases"](arch, quick=False):
-            cc["source"](fn, pointers, consts, as_run=True)  # raises on a constexpr without a value
-            seen.update(fn.arg_names)
-            n += 1
-    assert n > 100 and not (cc["UNIT_STRIDES"] | cc["MULTIPLES_OF_16"]) - seen
+    compile check (--sources-only: no compiler run), over every architecture and case. (Its own process:
+    the script must import the kernels with the interpreter off.)"""
+    import subprocess
+
+    r = subprocess.run([sys.executable, str(BENCH / "compile_check.py"), "--sources-only"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    import re
+
+    cases = int(re.search(r"(\d+) case\(s\)", r.stdout).group(1))
+    assert cases > 100 and "; 0 failure(s)" in r.stdout, r.stdout
 
 
 def test_kernels_compile_for_a_gpu_target():
