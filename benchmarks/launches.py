@@ -5,6 +5,9 @@ kernels in an H200 step of 16.75 ms, 2,208 of them torch elementwise glue), so t
 down, and it needs no GPU. The model is a random tiny checkpoint with one GDN and one attention layer, both
 MoE, quantized to INT4, run by the Triton interpreter.
 
+It also times the host work of the INT4 launchers (checks, config, split, allocation) with the kernel
+launch itself replaced by a no-op: what an eager step or prefill pays per linear before Triton's own launch.
+
     TRITON_INTERPRET=1 python benchmarks/launches.py [--json out.json]
 """
 
@@ -95,6 +98,49 @@ def count_step(dtype: torch.dtype = torch.float16, block: int = 4) -> dict:
             "triton": dict(counter.triton), "torch": [{"op": n, "line": w, "calls": c} for (n, w), c in rows]}
 
 
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def host_time(reps: int = 5, calls: int = 400) -> dict[str, float]:
+    """Microseconds of Python per INT4 call, the fastest of `reps` rounds (the least disturbed on a noisy
+    host), the Triton launches replaced by no-ops, at an expert's 2048 -> 512 (groups of 128): `w4a16_matmul`
+    (checkpoint tensors, validated every call) and the prepared weights' gemv (M = 1) and gemm (M = 16) as
+    QuantLinear calls them."""
+    import time
+
+    from clover_lite.kernels import w4a16
+
+    K, N, G = 2048, 512, 128
+    t = dict(qweight=torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32),
+             scales=torch.rand(K // G, N) * 0.01, qzeros=torch.randint(-2**31, 2**31 - 1, (K // G, N // 8),
+                                                                      dtype=torch.int32), group_size=G)
+    w = w4a16.Int4Weights(**t)
+    x1, x16 = torch.randn(1, K), torch.randn(16, K)
+    cases = {"w4a16_matmul M=1": lambda: w4a16.w4a16_matmul(x1, **t),
+             "w4a16_matmul M=16": lambda: w4a16.w4a16_matmul(x16, **t),
+             "gemv, prepared, M=1": lambda: w4a16.gemv(x1, w), "gemm, prepared, M=16": lambda: w4a16.gemm(x16, w)}
+    names = ("_gemm_kernel", "_gemv_kernel", "_sum_splits_kernel")
+    saved = {n: getattr(w4a16, n) for n in names}
+    out = {}
+    try:
+        for n in names:
+            setattr(w4a16, n, _NoLaunch())
+        for label, fn in cases.items():
+            rounds = []
+            for _ in range(reps + 1):  # the first round warms up
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                rounds.append((time.perf_counter() - t0) / calls)
+            out[label] = 1e6 * min(rounds[1:])
+    finally:
+        for n, k in saved.items():
+            setattr(w4a16, n, k)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path)
@@ -109,6 +155,8 @@ def main(argv=None) -> int:
     print("Triton: " + ", ".join(f"{k} {v}" for k, v in sorted(r["triton"].items())))
     for row in r["torch"]:
         print(f"  {row['calls']:3d}  {row['op']:<22} {row['line']}")
+    r["host_us"] = host_time()
+    print("host time per INT4 call, launch excluded: " + ", ".join(f"{k} {v:.1f} us" for k, v in r["host_us"].items()))
     if args.json:
         args.json.write_text(json.dumps(r, indent=1))
     return 0

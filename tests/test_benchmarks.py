@@ -301,8 +301,8 @@ def test_launch_count_of_a_step_has_no_elementwise_glue_in_the_layers():
     only for their unquantized matmuls (GDN a/b, the router with the shared expert's gate); every other
     operation, the decoder's residual adds included, is inside a Triton kernel. Before the glue kernels the
     tiny model's step issued 120 torch operators (benchmarks/RESULTS.md)."""
-    count_step = runpy.run_path(str(BENCH / "launches.py"), run_name="bench")["count_step"]
-    r = count_step()
+    script = runpy.run_path(str(BENCH / "launches.py"), run_name="bench")
+    r = script["count_step"]()
     assert r["triton_launches"] > 0 and r["triton"]["_gdn_prep_kernel"] == 1
     layers = [row for row in r["torch"] if row["line"].startswith(("models/gdn.py", "models/moe.py",
                                                                     "models/attention.py", "kernels/"))]
@@ -310,3 +310,9 @@ def test_launch_count_of_a_step_has_no_elementwise_glue_in_the_layers():
     assert sum(row["calls"] for row in layers) <= 3, layers
     adds = [row for row in r["torch"] if row["line"].startswith("models/") and row["op"] == "add"]
     assert not adds, adds
+    # The host-time probe stubs the INT4 launches and puts them back.
+    from clover_lite.kernels import w4a16
+
+    kernel = w4a16._gemm_kernel
+    host = script["host_time"](reps=1, calls=3)
+    assert len(host) == 4 and all(v > 0 for v in host.values()) and w4a16._gemm_kernel is kernel

@@ -408,6 +408,19 @@ def test_gemm_takes_the_configs_choice_of_nibble_planes(monkeypatch):
     assert configs.gemm_config("sm_90", 64).planes is False and configs.gemm_config("sm_90", 32).planes
 
 
+def test_host_launch_arithmetic_equals_tritons():
+    """kernels/host.py: the launchers' plain-integer cdiv and next power of two (Triton's are constexpr
+    functions, slow to call from Python) give what Triton's give."""
+    import triton
+
+    from clover_lite.kernels.host import cdiv, next_power_of_2
+
+    for a in [0, 1, 2, 3, 15, 16, 17, 127, 128, 129, 4095, 248320, 2**31 + 5]:
+        assert next_power_of_2(a) == triton.next_power_of_2(a), a
+        for b in (1, 2, 3, 16, 64, 128, 1000):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
 @pytest.mark.parametrize("n,want", [(248320, 1), (8192, 4), (2048, 4), (512, 4)])
 def test_split_k_only_as_far_as_filling_the_gpu(n, want):
     """At M = 16 on an H200 (132 SMs, sm_90 table: 128-column tiles, split up to 4): the lm_head's 1,940

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from . import configs
 from .dispatch import interpreting
+from .host import cdiv, next_power_of_2
 
 _LOG2E = 1.4426950408889634
 MAX_BLOCK_LEN = configs.ATTENTION_MAX_BLOCK_LEN
@@ -264,8 +265,8 @@ def choose_num_splits(cache_len: int, programs_per_split: int, sm_count: int, bl
     programs per SM run, each with at least ATTENTION_MIN_KEYS_PER_SPLIT keys, at most ATTENTION_MAX_SPLITS."""
     if cache_len <= 0:
         return 1
-    by_length = triton.cdiv(cache_len, max(configs.ATTENTION_MIN_KEYS_PER_SPLIT, block_n))
-    by_fill = triton.cdiv(configs.ATTENTION_WAVES * max(1, sm_count), max(1, programs_per_split))
+    by_length = cdiv(cache_len, max(configs.ATTENTION_MIN_KEYS_PER_SPLIT, block_n))
+    by_fill = cdiv(configs.ATTENTION_WAVES * max(1, sm_count), max(1, programs_per_split))
     return max(1, min(by_length, by_fill, configs.ATTENTION_MAX_SPLITS))
 
 
@@ -274,14 +275,14 @@ def split_plan(cache_len: int, num_splits: int, block_n: int) -> tuple[int, int]
     more splits than steps gets one split per step); cache_len 0 -> one split holding only the block."""
     if cache_len <= 0:
         return 1, 0
-    per = triton.cdiv(triton.cdiv(cache_len, max(1, num_splits)), block_n) * block_n
-    return triton.cdiv(cache_len, per), per
+    per = cdiv(cdiv(cache_len, max(1, num_splits)), block_n) * block_n
+    return cdiv(cache_len, per), per
 
 
 def _row_tiles(block_m: int, rows: int) -> tuple[int, int]:
     """(block_m, number of row tiles) for `rows` = GQA group x block length query rows."""
-    block_m = min(block_m, max(16, triton.next_power_of_2(rows)))
-    return block_m, triton.cdiv(rows, block_m)
+    block_m = min(block_m, max(16, next_power_of_2(rows)))
+    return block_m, cdiv(rows, block_m)
 
 
 def splits_for_capacity(capacity: int, batch: int, Hq: int, Hkv: int, L: int, head_dim: int, dtype: torch.dtype,
@@ -336,8 +337,8 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = Hq // Hkv
     rows = group * L
     block_m, m_tiles = _row_tiles(cfg.block_m, rows)
-    block_d = max(16, triton.next_power_of_2(D))
-    block_l = min(cfg.block_n, max(16, triton.next_power_of_2(L)))
+    block_d = max(16, next_power_of_2(D))
+    block_l = min(cfg.block_n, max(16, next_power_of_2(L)))
     if in_memory:
         splits, per_split = num_splits, 0  # sized in the kernel from the length it reads
     else:
@@ -370,8 +371,8 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
-        block_r = min(cfg.merge_rows, max(16, triton.next_power_of_2(n_rows)))
-        _merge_kernel[(triton.cdiv(n_rows, block_r),)](
+        block_r = min(cfg.merge_rows, max(16, next_power_of_2(n_rows)))
+        _merge_kernel[(cdiv(n_rows, block_r),)](
             po, pm, pl, g, out, n_rows, splits, Hq, L, D, *gs, *out.stride(),
             BLOCK_R=block_r, BLOCK_D=block_d, HAS_GATE=gate is not None, num_warps=4,
         )

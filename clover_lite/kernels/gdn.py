@@ -20,6 +20,7 @@ import triton.language as tl
 
 from . import configs
 from .dispatch import interpreting
+from .host import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -81,7 +82,7 @@ def _gdn_kernel(
 
 
 def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(n))
+    return max(lo, next_power_of_2(n))
 
 
 def gdn_chunked(
@@ -131,7 +132,7 @@ def gdn_chunked(
     bv = block_v or min(configs.GDN_BLOCK_V, _pow2(V))
     bk = _pow2(K)
     st = state.contiguous()
-    _gdn_kernel[(b * HV, triton.cdiv(V, bv))](
+    _gdn_kernel[(b * HV, cdiv(V, bv))](
         qf, kf, vf, gf, bf, st, out, new_state,
         L, K, V, HV, HV // HK,
         qf.stride(0), qf.stride(1), qf.stride(2), vf.stride(0), vf.stride(1), vf.stride(2),

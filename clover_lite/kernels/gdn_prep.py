@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import interpreting
+from .host import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -113,12 +114,12 @@ def gdn_prepare(qkv: torch.Tensor, tail: torch.Tensor, conv_weight: torch.Tensor
         w = conv_weight.contiguous()
         nt = new_tail if in_kernel else q
         slots = 2 * HK + HV
-        bd = triton.next_power_of_2(max(K, V))
+        bd = next_power_of_2(max(K, V))
         # The interpreter's cost grows with the programs: a few large tiles there; on a GPU a token and
         # 4 heads per program (Clover's 32-token block: 512 programs of 512 channels).
-        bt, bs = tile or ((min(64, triton.next_power_of_2(L)), triton.next_power_of_2(slots)) if interpreting()
+        bt, bs = tile or ((min(64, next_power_of_2(L)), next_power_of_2(slots)) if interpreting()
                           else (1, 4))
-        _gdn_prep_kernel[(B, triton.cdiv(L, bt), triton.cdiv(slots, bs))](
+        _gdn_prep_kernel[(B, cdiv(L, bt), cdiv(slots, bs))](
             qkv, tail, w, a, b, a_log, dt_bias, q, k, v, g, beta, nt,
             L, HK, HV, K, V, K**-0.5, eps,
             qkv.stride(0), qkv.stride(1), *tail.stride(), a.stride(0), a.stride(1),

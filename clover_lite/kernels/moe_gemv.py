@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from . import configs
+from .host import cdiv
 from .w4a16 import (
     Int4Weights,
     _first_group,
@@ -161,7 +162,7 @@ def grouped_gemv(x: torch.Tensor, w: Int4Weights, expert: torch.Tensor, rank: to
     fused = w2 is not None
     w2a = w2.args()[:3] if fused else w.args()[:3]
     dummy = out
-    _grouped_gemv_kernel[(P, triton.cdiv(w.N, cfg.block_n), out.shape[0])](
+    _grouped_gemv_kernel[(P, cdiv(w.N, cfg.block_n), out.shape[0])](
         xc, rows if rows is not None else dummy, expert, rank, count, out,
         row_scale if row_scale is not None else dummy,
         *w.args()[:3], *w2a,

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import interpreting
+from .host import cdiv, next_power_of_2
 
 SORT_KERNEL_MAX_PAIRS = 4096  # past this the O(P^2) rank count costs more than torch's radix sort
 
@@ -80,12 +81,12 @@ def topk_softmax(logits: torch.Tensor, k: int, normalize: bool,
     weights = torch.empty(T, k, device=logits.device, dtype=dtype)
     ids = torch.empty(T, k, device=logits.device, dtype=torch.int64)
     if T:
-        block_e = triton.next_power_of_2(E)
+        block_e = next_power_of_2(E)
         # a token per program on a GPU; under the interpreter, whose cost grows with the programs, up to 64
-        block_t = min(64, triton.next_power_of_2(T)) if interpreting() else 1
-        _topk_softmax_kernel[(triton.cdiv(T, block_t),)](
+        block_t = min(64, next_power_of_2(T)) if interpreting() else 1
+        _topk_softmax_kernel[(cdiv(T, block_t),)](
             logits, weights, ids, T, E, logits.stride(0), K=k, NORMALIZE=normalize, BLOCK_T=block_t,
-            BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k), num_warps=1 if block_e <= 256 else 4)
+            BLOCK_E=block_e, BLOCK_K=next_power_of_2(k), num_warps=1 if block_e <= 256 else 4)
     return weights, ids
 
 
@@ -130,8 +131,8 @@ def sort_pairs(expert_ids: torch.Tensor, routing_weights: torch.Tensor, num_expe
     if P:
         # [BLOCK_I, BLOCK_J] comparisons per step: 64 x 32 on a GPU (128 x 128 at 4 warps spilled on sm_90,
         # benchmarks/compile_check.py); under the interpreter few, large tiles.
-        bi, bj = (min(128, triton.next_power_of_2(P)),) * 2 if interpreting() else (64, 32)
-        _sort_pairs_kernel[(triton.cdiv(P, bi),)](ids, w, pos, expert, token, scale, rank, count, P,
+        bi, bj = (min(128, next_power_of_2(P)),) * 2 if interpreting() else (64, 32)
+        _sort_pairs_kernel[(cdiv(P, bi),)](ids, w, pos, expert, token, scale, rank, count, P,
                                                   expert_ids.shape[1], BLOCK_I=bi, BLOCK_J=bj)
     return ExpertPairs(expert, token, scale, pos, rank, count)
 
@@ -195,10 +196,10 @@ def combine(y: torch.Tensor, rows: torch.Tensor, k: int, dtype: torch.dtype, add
     out = torch.empty(T, N, device=y.device, dtype=dtype)
     if T and N:
         if interpreting():  # few, large tiles
-            block_t, block_n = min(64, triton.next_power_of_2(T)), triton.next_power_of_2(N)
+            block_t, block_n = min(64, next_power_of_2(T)), next_power_of_2(N)
         else:
-            block_t, block_n = 1, min(1024, triton.next_power_of_2(N))
-        _combine_kernel[(triton.cdiv(T, block_t), triton.cdiv(N, block_n))](
+            block_t, block_n = 1, min(1024, next_power_of_2(N))
+        _combine_kernel[(cdiv(T, block_t), cdiv(N, block_n))](
             y, rows, out, add if add is not None else y, add_logit if add is not None else y,
             residual if residual is not None else y, T, N, y.shape[0], y.stride(0), y.stride(1), out.stride(0),
             add.stride(0) if add is not None else 0, add_logit.stride(0) if add is not None else 0,

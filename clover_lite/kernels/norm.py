@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import interpreting
+from .host import next_power_of_2
 
 
 @triton.jit
@@ -110,7 +111,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     total = torch.empty(x2.shape, device=x.device, dtype=x.dtype) if residual is not None else out
     # A row shorter than the program's threads would be held several times over (replicated lanes): rows
     # under 128 get one warp and at least 32 slots. 128-2048 (Clover's 128, 256, 2048) as checked on an H200.
-    block = max(32, triton.next_power_of_2(n))
+    block = max(32, next_power_of_2(n))
     warps = 1 if block < 128 else 4 if n <= 1024 else 8
     if x2.shape[0]:
         heads, length = (x.shape[-2], x.shape[-3]) if rotary is not None else (1, 1)

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from ..sampling import CONFIDENCES, confidence_of, filter_logits
 from .dispatch import interpreting
+from .host import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -79,8 +80,8 @@ def choose_fused(
         return _choose_filtered(logits, temperature, top_k, top_p, confidence, banned_token_id, generator)
     sample = temperature > 0
     inv_temp = 1.0 / temperature if sample else 1.0
-    bv = block_v or (min(4096, triton.next_power_of_2(V)) if not interpreting() else triton.next_power_of_2(V))
-    chunks = triton.cdiv(V, bv)
+    bv = block_v or (min(4096, next_power_of_2(V)) if not interpreting() else next_power_of_2(V))
+    chunks = cdiv(V, bv)
     stats = torch.empty(n, chunks, 6, device=logits.device, dtype=torch.float32)
     idx = torch.empty(n, chunks, 2, device=logits.device, dtype=torch.int64)
     seed = 0

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from . import configs
 from .dispatch import interpreting
+from .host import cdiv
 
 
 @triton.jit
@@ -365,7 +366,7 @@ def _sum_splits(partials: torch.Tensor, n: int, dtype: torch.dtype, gated: bool 
     out = torch.empty(m, n, device=partials.device, dtype=dtype)
     if out.numel():
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(out.numel(), block),)](
+        _sum_splits_kernel[(cdiv(out.numel(), block),)](
             partials, out, out.numel(), n, partials.shape[0], partials.stride(0), GATED=gated, BLOCK=block)
     return out
 
@@ -435,8 +436,8 @@ def _block_k(block_k: int, w: Int4Weights) -> int:
 
 def _k_splits(K: int, split: int, bk: int) -> tuple[int, int]:
     """K rows per split (whole BLOCK_K tiles) and the number of splits that leaves none empty."""
-    k_per = triton.cdiv(triton.cdiv(K, max(1, min(split, triton.cdiv(K, bk)))), bk) * bk
-    return k_per, triton.cdiv(K, k_per)
+    k_per = cdiv(cdiv(K, max(1, min(split, cdiv(K, bk)))), bk) * bk
+    return k_per, cdiv(K, k_per)
 
 
 def _check_x(x: torch.Tensor, w: Int4Weights) -> None:
@@ -484,7 +485,7 @@ def fill_split(cfg: configs.GemmConfig, m: int, n: int, device: torch.device) ->
     """The table's split-K trimmed to what fills this GPU for an [m, n] output (configs.split_to_fill)."""
     if _arch(device) is None:
         return cfg
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     return configs.split_to_fill(cfg, tiles, _sm_count(device.index or 0))
 
 
@@ -516,7 +517,12 @@ def autotune(key: tuple, candidates: list[configs.GemmConfig], run, measure=None
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     # The interpreter gets bf16 arithmetic wrong (DESIGN section 5): compute in fp32 there.
-    return torch.float32 if interpreting() and x.dtype == torch.bfloat16 else x.dtype
+    return torch.float32 if x.dtype == torch.bfloat16 and interpreting() else x.dtype
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype, without Tensor.to's call when it already is (host time of an eager launch)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: torch.Tensor | None = None,
@@ -528,7 +534,7 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
     _check_x(x, w)
     _check_pair(w, w2)
     cdt = _compute_dtype(x)
-    xc = x.to(cdt)
+    xc = _as(x, cdt)
     M = n_rows if n_rows is not None else x.shape[0]
     cfg = config
     arch = _arch(x.device)
@@ -546,7 +552,7 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
     fused = w2 is not None
     width = 2 * w.N if fused and split > 1 else w.N
     out = torch.empty(split, M, width, device=x.device, dtype=torch.float32 if split > 1 else cdt)
-    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(w.N, cfg.block_n), split)
+    grid = (cdiv(M, cfg.block_m), cdiv(w.N, cfg.block_n), split)
     w2a = w2.args() if w2 is not None else w.args()
     dummy = out
     _gemm_kernel[grid](
@@ -562,7 +568,7 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         PLANES=w.g_idx is None and bk >= 128 and (cfg.planes if planes is None else planes), PARTIAL=split > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return (out[0] if split == 1 else _sum_splits(out, w.N, cdt, gated=fused)).to(x.dtype)
+    return _as(out[0] if split == 1 else _sum_splits(out, w.N, cdt, gated=fused), x.dtype)
 
 
 def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: torch.Tensor | None = None,
@@ -581,7 +587,7 @@ def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
     fused = w2 is not None
     w2a = w2.args() if fused else w.args()
     dummy = out
-    _gemv_kernel[(P, triton.cdiv(w.N, cfg.block_n), out.shape[0])](
+    _gemv_kernel[(P, cdiv(w.N, cfg.block_n), out.shape[0])](
         xc, rows if rows is not None else dummy, row_expert if row_expert is not None else dummy, out,
         row_scale if row_scale is not None else dummy,
         *w.args(), *w2a,
@@ -610,7 +616,7 @@ def _gemv_plan(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None, P: int, 
     interp = configs.INTERPRET_MOE_GEMV if moe else configs.INTERPRET_GEMV
     cfg = config or (interp if arch is None else configs.gemv_config(arch, moe))
     if config is None and arch is not None:
-        programs = triton.cdiv(P, pairs_per_program) * triton.cdiv(w.N, cfg.block_n)
+        programs = cdiv(P, pairs_per_program) * cdiv(w.N, cfg.block_n)
         cfg = configs.gemv_split_to_fill(cfg, programs, w.K, _sm_count(x.device.index or 0))
     if P == 0:
         return None
@@ -618,7 +624,7 @@ def _gemv_plan(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None, P: int, 
     k_per, split = _k_splits(w.K, cfg.split_k, bk)
     width = 2 * w.N if w2 is not None and split > 1 else w.N
     out = torch.empty(split, P, width, device=x.device, dtype=torch.float32 if split > 1 else cdt)
-    return x.to(cdt), cdt, cfg, bk, k_per, out
+    return _as(x, cdt), cdt, cfg, bk, k_per, out
 
 
 def _gemv_result(out: torch.Tensor, x: torch.Tensor, w: Int4Weights, cdt: torch.dtype, fused: bool,
@@ -628,8 +634,8 @@ def _gemv_result(out: torch.Tensor, x: torch.Tensor, w: Int4Weights, cdt: torch.
     if not sum_splits:
         return out
     if out.shape[0] == 1:
-        return out[0].to(x.dtype)
-    return _sum_splits(out, w.N, cdt, gated=fused).to(x.dtype)  # SiLU is not linear: after the sum
+        return _as(out[0], x.dtype)
+    return _as(_sum_splits(out, w.N, cdt, gated=fused), x.dtype)  # SiLU is not linear: after the sum
 
 
 def w4a16_matmul(
@@ -653,7 +659,7 @@ def w4a16_matmul(
         raise ValueError(f"out must be a {x.dtype} tensor of shape {(x.shape[0], w.N)} on {x.device}")
     y = gemv(x, w) if x.shape[0] <= 4 else gemm(x, w)
     if out is None:
-        return y.to(x.dtype)
+        return _as(y, x.dtype)
     out.copy_(y)
     return out
 

@@ -1,0 +1,18 @@
+"""Launch arithmetic on the host, in plain Python integers.
+
+Since Triton 3.x `triton.cdiv` and `triton.next_power_of_2` are constexpr functions: called from Python,
+each first unwraps its arguments, a few microseconds a call, and an INT4 GEMM's launch made eight of them
+(benchmarks/RESULTS.md, host time per call). Inside kernels, tl.cdiv as before.
+"""
+
+from __future__ import annotations
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for integers, b > 0."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (0 for n <= 0, as triton.next_power_of_2)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
