@@ -1,6 +1,6 @@
 """Launch arithmetic on the host, in plain Python integers.
 
-Since Triton 3.x `triton.cdiv` and `triton.next_power_of_2` are constexpr functions: called from Python,
+In Triton 3.9 `triton.cdiv` and `triton.next_power_of_2` are constexpr functions: called from Python,
 each first unwraps its arguments, a few microseconds a call, and an INT4 GEMM's launch made eight of them
 (benchmarks/RESULTS.md, host time per call). Inside kernels, tl.cdiv as before.
 """
