@@ -159,12 +159,15 @@ def cases(arch: str, quick: bool):
                 fused = flags["FUSE_GATE_UP"]
                 g = configs.for_gathered_groups(c, arch, fused) if gidx else c  # as the launcher adjusts it
                 consts = dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_GIDX=gidx, DOT_IEEE=False,
-                              PLANES=not gidx and g.block_k >= 128, PARTIAL=g.split_k > 1 and not fused,
-                              **flags)  # as the launcher sets it (the MoE's gate/up: no split)
+                              PLANES=not gidx and g.block_k >= 128 and g.planes, PARTIAL=g.split_k > 1 and not fused,
+                              PAIRS=False, **flags)  # as the launcher sets it (the MoE's gate/up: no split)
                 out = "*fp32" if g.split_k > 1 and not fused else act
                 yield (f"w4a16 gemm M<={m} {label}{' g_idx' if gidx else ''}", w4_k._gemm_kernel,
                        int4_pointers(act, out), consts, g.num_warps, g.num_stages,
                        g.smem_bytes(gathered=gidx, fused=fused))
+                if consts["PLANES"] and m > 1:  # the sweep's candidate: pairs of planes, same tile
+                    yield (f"w4a16 gemm M<={m} {label} pairs", w4_k._gemm_kernel, int4_pointers(act, out),
+                           dict(consts, PAIRS=True), g.num_warps, g.num_stages, g.smem_bytes(fused=fused))
     g = configs.GEMV_TABLE[arch]
     # Dense M = 1 (K split, fp32 partials), the MoE's fused gate/up and its down projection (routing weight).
     for label, fused, partial in (("", False, True), (" moe gate/up", True, False), (" moe down", False, False)):

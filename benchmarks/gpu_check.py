@@ -45,7 +45,16 @@ def _int4(K, N, group, device, gen, stack=None, act_order=False, fmt="gptq"):
 
 
 def check_w4a16(device, gen, smoke) -> str:
-    from clover_lite.kernels.w4a16 import w4a16_matmul, w4a16_matmul_reference
+    from dataclasses import replace
+
+    from clover_lite.kernels.w4a16 import (
+        Int4Weights,
+        fill_split,
+        gemm,
+        gemm_config_for,
+        w4a16_matmul,
+        w4a16_matmul_reference,
+    )
 
     shapes = [(64, 40, 32)] if smoke else [(2048, 512, 128), (512, 2048, 128), (4096, 2048, 128), (2048, 8192, 64)]
     dtypes = [torch.float32] if device.type == "cpu" else [torch.float16, torch.bfloat16]
@@ -66,6 +75,12 @@ def check_w4a16(device, gen, smoke) -> str:
                 worst = max(worst, err)
                 if not err < (1e-4 if dt == torch.float32 else 2e-2):
                     raise AssertionError(f"w4a16 K={K} N={N} M={m} {dt} act_order={act_order}: rel err {err}")
+                if not act_order and m > 4:  # the sweep's pairs-of-planes candidate at this M's tile
+                    cfg = replace(fill_split(gemm_config_for(device, m), m, N, device), planes=True, pairs=True)
+                    err = ((gemm(x, Int4Weights(**w), config=cfg).float() - ref).abs().max() / ref.abs().max()).item()
+                    worst = max(worst, err)
+                    if not err < (1e-4 if dt == torch.float32 else 2e-2):
+                        raise AssertionError(f"w4a16 pairs K={K} N={N} M={m} {dt}: rel err {err}")
     return f"max rel err {worst:.1e}"
 
 

@@ -68,7 +68,8 @@ def kernel_seconds(calls: list, device: torch.device, reps: int) -> float:
 
 
 def gemm_candidates(m: int, smoke: bool) -> list[tuple[configs.GemmConfig, bool]]:
-    """(config, planes) pairs at stages 3; split_k is the most the fill rule may use."""
+    """(config, planes) pairs at stages 3; split_k is the most the fill rule may use. With planes, also two
+    nibbles per AND-OR (GemmConfig.pairs)."""
     if smoke:
         return [(configs.GemmConfig(16, 32, 32, 1, 4, 1), False), (configs.GemmConfig(16, 64, 32, 2, 4, 1), False)]
     out = []
@@ -77,6 +78,8 @@ def gemm_candidates(m: int, smoke: bool) -> list[tuple[configs.GemmConfig, bool]
             for warps in (4, 8):
                 for split in (1, 2, 4):
                     out.append((configs.GemmConfig(m, bn, bk, split, warps, 3), planes))
+                    if planes:
+                        out.append((configs.GemmConfig(m, bn, bk, split, warps, 3, pairs=True), planes))
     return out
 
 
@@ -112,7 +115,7 @@ def sweep_gemm(m, shapes, device, dtype, reps, deadline, smoke, arch) -> dict:
     """Candidates scored on every shape; then stages 2 and 4 for the best three; the table's entry too.
     Shapes are the outer loop (one shape's rotated weights in memory at a time)."""
     table = gemm_config_for(device, m)
-    table_planes = table.block_k >= 128
+    table_planes = table.block_k >= 128 and table.planes
     cands = [(c, p) for c, p in gemm_candidates(m, smoke) if fits(c, arch)]
     if (table, table_planes) not in cands:
         cands.insert(0, (table, table_planes))

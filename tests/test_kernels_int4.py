@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from clover_lite.kernels import configs, dispatch, moe_gemv  # noqa: E402
+from clover_lite.kernels import configs, dispatch, moe_gemv, w4a16  # noqa: E402
 from clover_lite.kernels.moe import fused_moe  # noqa: E402
 from clover_lite.kernels.w4a16 import Int4Weights, _biased_planes16, _nibble_planes, gemm, gemv, w4a16_matmul  # noqa: E402
 from clover_lite.models.moe import dispatch as moe_reference  # noqa: E402
@@ -148,6 +148,62 @@ def test_nibble_planes_are_exact(dtype, bias):
     q = torch.stack([(words.long() >> (4 * j)) & 15 for j in range(8)])
     assert torch.equal(out16.view(dtype).double(), (q + bias).double())
     assert torch.equal(out32.double(), q.double())
+
+
+def spy_gemm_launches(monkeypatch, flag: str) -> list:
+    """The value of constexpr `flag` at every GEMM launch from here on (the kernel still runs)."""
+    launched, real = [], w4a16._gemm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append(kw[flag])
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(w4a16, "_gemm_kernel", Spy())
+    return launched
+
+
+@triton.jit
+def _pairs_kernel(w_ptr, out_ptr, DTYPE: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    i, n, r = tl.arange(0, BK // 8), tl.arange(0, BN), tl.arange(0, BK // 4)
+    pairs = w4a16._paired_planes16(tl.load(w_ptr + i[:, None] * BN + n[None, :]), DTYPE, BK, BN)
+    for J in tl.static_range(4):
+        tl.store(out_ptr + (J * (BK // 4) + r[:, None]) * BN + n[None, :], pairs[J].to(tl.int16, bitcast=True))
+
+
+@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, 128), (torch.float16, 1024)])
+def test_paired_planes_are_exact_and_interleaved(dtype, bias):
+    """The pairs-of-planes operand (GemmConfig.pairs) read back as bits: pair J's rows 2i and 2i + 1 are the
+    floats bias + nibble J and bias + nibble J + 4 of word row i, for random words (bf16 included: the bf16
+    GEMM itself only runs on a GPU)."""
+    BK, BN = 64, 16
+    words = torch.randint(-(2**31), 2**31, (BK // 8, BN), generator=GEN, dtype=torch.int64).to(torch.int32)
+    words[0, :2] = torch.tensor([-1, 0], dtype=torch.int32)
+    out = torch.empty(4, BK // 4, BN, dtype=torch.int16)
+    _pairs_kernel[(1,)](words, out, DTYPE=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16, BK=BK, BN=BN)
+    q = torch.stack([(words.long() >> (4 * j)) & 15 for j in range(8)])  # [j, i, n]
+    want = torch.stack([torch.stack([q[J], q[J + 4]], 1).reshape(BK // 4, BN) for J in range(4)]) + bias
+    assert torch.equal(out.view(dtype).double(), want.double())
+
+
+@pytest.mark.parametrize("K,group", [(384, 128), (320, -1)])
+def test_gemm_pairs_of_planes_match_float64(monkeypatch, K, group):
+    """GemmConfig.pairs: the 16-bit GEMM's 4 dots over pairs of planes, ragged M, a ragged last K tile
+    (320 over 128), split-K and the fused SiLU(gate) * up, against float64; the kernel was launched so."""
+    launched = spy_gemm_launches(monkeypatch, "PAIRS")
+    (t, w), (t2, w2) = random_int4(K, 40, group), random_int4(K, 40, group)
+    for M, split in ((5, 1), (21, 2)):
+        cfg = configs.GemmConfig(16, 32, 128, split, 4, 1, True, pairs=True)
+        x = torch.randn(M, K, generator=GEN).half()
+        ref = x.double() @ w.t()
+        torch.testing.assert_close(gemm(x, Int4Weights(**t), config=cfg).double(), ref, atol=2e-2, rtol=2e-3)
+        fused = gemm(x, Int4Weights(**t), Int4Weights(**t2), config=cfg).double()
+        torch.testing.assert_close(fused, torch.nn.functional.silu(ref) * (x.double() @ w2.t()), atol=2e-2, rtol=2e-3)
+    assert launched == [True] * 4
+    gemm(x.float(), Int4Weights(**t), config=cfg)  # fp32: IEEE dots over the 8 planes
+    assert launched[-1] is False
 
 
 @pytest.mark.parametrize("K,group,split", [(96, 32, 3), (72, -1, 2), (128, 64, 1), (256, 128, 8)])
@@ -386,19 +442,7 @@ def test_every_tuning_config_fits_its_architecture():
 def test_gemm_takes_the_configs_choice_of_nibble_planes(monkeypatch):
     """A config's `planes` picks the GEMM's weight path (sm_90's M <= 64 entry takes the unpacked tile) and the
     `planes` argument overrides it; both paths give the float64 result."""
-    from clover_lite.kernels import w4a16
-
-    launched = []
-    real = w4a16._gemm_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launched.append(kw["PLANES"])
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(w4a16, "_gemm_kernel", Spy())
+    launched = spy_gemm_launches(monkeypatch, "PLANES")
     t, w = random_int4(256, 24, 128)
     x = torch.randn(5, 256, generator=GEN)
     for planes, arg, want in ((True, None, True), (False, None, False), (True, False, False), (False, True, True)):

@@ -37,6 +37,9 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     planes: bool = True  # dot the weights as 8 nibble planes where the tile allows (no g_idx, BLOCK_K >= 128)
+    # With planes and 16-bit activations: 4 dots over pairs of planes, two nibbles per AND-OR
+    # (w4a16._paired_planes16). Fewer instructions on sm_90 as compiled; a sweep candidate, off in the table.
+    pairs: bool = False
 
     def smem_bytes(self, act_bytes: int = 2, gathered: bool = False, fused: bool = False) -> int:
         """Pipelined loads per stage (activation tile [BM, BK], packed weights [BK/8, BN] int32) plus one
@@ -184,7 +187,7 @@ def autotune_configs(arch: str, m: int, base: GemmConfig | None = None) -> list[
     for bn in (64, 128):
         for sk in (1, 2, 4, 8):
             for st in (2, 3, 4):
-                c = GemmConfig(base.block_m, bn, base.block_k, sk, base.num_warps, st, base.planes)
+                c = GemmConfig(base.block_m, bn, base.block_k, sk, base.num_warps, st, base.planes, base.pairs)
                 if c not in out and c.smem_bytes() <= SMEM_LIMIT[arch]:
                     out.append(c)
     return out
