@@ -108,14 +108,16 @@ def host_time(reps: int = 5, calls: int = 400) -> dict[str, float]:
     host), the Triton launches replaced by no-ops, at an expert's 2048 -> 512 (groups of 128): `w4a16_matmul`
     (checkpoint tensors, validated every call) and the prepared weights' gemv (M = 1) and gemm (M = 16) as
     QuantLinear calls them."""
+    import importlib.util
     import time
 
     from clover_lite.kernels import w4a16
 
-    K, N, G = 2048, 512, 128
-    t = dict(qweight=torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32),
-             scales=torch.rand(K // G, N) * 0.01, qzeros=torch.randint(-2**31, 2**31 - 1, (K // G, N // 8),
-                                                                      dtype=torch.int32), group_size=G)
+    spec = importlib.util.spec_from_file_location("clover_bench_kernels", Path(__file__).parent / "kernels.py")
+    kb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kb)
+    K = 2048
+    t = kb.random_int4(K, 512, 128, "cpu")  # the kernel benchmark's random GPTQ tensors
     w = w4a16.Int4Weights(**t)
     x1, x16 = torch.randn(1, K), torch.randn(16, K)
     cases = {"w4a16_matmul M=1": lambda: w4a16.w4a16_matmul(x1, **t),

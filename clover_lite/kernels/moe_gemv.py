@@ -23,11 +23,11 @@ from .w4a16 import (
     Int4Weights,
     _first_group,
     _gemv_plan,
-    _gemv_result,
     _group_params,
     _next_group,
     _nibble_planes,
     _split_planes,
+    _split_result,
 )
 
 
@@ -173,4 +173,4 @@ def grouped_gemv(x: torch.Tensor, w: Int4Weights, expert: torch.Tensor, rank: to
         HAS_ROWS=rows is not None, FUSE_GATE_UP=fused, HAS_ROW_SCALE=row_scale is not None,
         PARTIAL=out.shape[0] > 1, EVEN_K=w.K % bk == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return _gemv_result(out, x, w, cdt, fused, sum_splits)
+    return out if not sum_splits else _split_result(out, x, w, cdt, fused)

@@ -133,7 +133,7 @@ def sort_pairs(expert_ids: torch.Tensor, routing_weights: torch.Tensor, num_expe
         # benchmarks/compile_check.py); under the interpreter few, large tiles.
         bi, bj = (min(128, next_power_of_2(P)),) * 2 if interpreting() else (64, 32)
         _sort_pairs_kernel[(cdiv(P, bi),)](ids, w, pos, expert, token, scale, rank, count, P,
-                                                  expert_ids.shape[1], BLOCK_I=bi, BLOCK_J=bj)
+                                           expert_ids.shape[1], BLOCK_I=bi, BLOCK_J=bj)
     return ExpertPairs(expert, token, scale, pos, rank, count)
 
 

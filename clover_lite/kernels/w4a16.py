@@ -593,8 +593,7 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
     k_per, split = _k_splits(w.K, cfg.split_k, bk)
     use_planes = w.g_idx is None and bk >= 128 and (cfg.planes if planes is None else planes)
     fused = w2 is not None
-    width = 2 * w.N if fused and split > 1 else w.N
-    out = torch.empty(split, M, width, device=x.device, dtype=torch.float32 if split > 1 else cdt)
+    out = _split_buffer(split, M, w, fused, cdt, x.device)
     grid = (cdiv(M, cfg.block_m), cdiv(w.N, cfg.block_n), split)
     w2a = w2.args() if w2 is not None else w.args()
     dummy = out
@@ -611,7 +610,7 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         PLANES=use_planes, PARTIAL=split > 1, PAIRS=use_planes and cfg.pairs and cdt != torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return _as(out[0] if split == 1 else _sum_splits(out, w.N, cdt, gated=fused), x.dtype)
+    return _split_result(out, x, w, cdt, fused)
 
 
 def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: torch.Tensor | None = None,
@@ -642,7 +641,7 @@ def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         FUSE_GATE_UP=fused, HAS_ROW_SCALE=row_scale is not None, PARTIAL=out.shape[0] > 1, EVEN_K=w.K % bk == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return _gemv_result(out, x, w, cdt, fused, sum_splits)
+    return out if not sum_splits else _split_result(out, x, w, cdt, fused)
 
 
 def _gemv_plan(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None, P: int, config, moe: bool,
@@ -665,20 +664,24 @@ def _gemv_plan(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None, P: int, 
         return None
     bk = _block_k(cfg.block_k, w)
     k_per, split = _k_splits(w.K, cfg.split_k, bk)
-    width = 2 * w.N if w2 is not None and split > 1 else w.N
-    out = torch.empty(split, P, width, device=x.device, dtype=torch.float32 if split > 1 else cdt)
-    return _as(x, cdt), cdt, cfg, bk, k_per, out
+    return _as(x, cdt), cdt, cfg, bk, k_per, _split_buffer(split, P, w, w2 is not None, cdt, x.device)
 
 
-def _gemv_result(out: torch.Tensor, x: torch.Tensor, w: Int4Weights, cdt: torch.dtype, fused: bool,
-                 sum_splits: bool) -> torch.Tensor:
-    """The GEMV launchers' output [P, N] in x's dtype from their [splits, P, N (2N fused)] buffer, or the
-    buffer itself when the caller sums the splits."""
-    if not sum_splits:
-        return out
+def _split_buffer(split: int, rows: int, w: Int4Weights, fused: bool, cdt: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """The INT4 launchers' output [split, rows, N]: fp32 partials when K is split (gate's and up's side by
+    side, 2N, when fused), else in the compute dtype."""
+    width = 2 * w.N if fused and split > 1 else w.N
+    return torch.empty(split, rows, width, device=device, dtype=torch.float32 if split > 1 else cdt)
+
+
+def _split_result(out: torch.Tensor, x: torch.Tensor, w: Int4Weights, cdt: torch.dtype,
+                  fused: bool) -> torch.Tensor:
+    """[rows, N] in x's dtype from a _split_buffer: the one split, or the partials summed (with the fused
+    SiLU, which is not linear: after the sum)."""
     if out.shape[0] == 1:
         return _as(out[0], x.dtype)
-    return _as(_sum_splits(out, w.N, cdt, gated=fused), x.dtype)  # SiLU is not linear: after the sum
+    return _as(_sum_splits(out, w.N, cdt, gated=fused), x.dtype)
 
 
 def w4a16_matmul(

@@ -52,11 +52,11 @@ class Experts(nn.Module):
         """The routed experts' weighted sum [T, hidden], plus sigmoid(shared_logit) * shared and residual if
         given."""
         out = dispatch(x, weights, ids, self.gate_up_proj.shape[0], self.expert)
-        return add_shared(out, shared, shared_logit, residual)
+        return add_shared_and_residual(out, shared, shared_logit, residual)
 
 
-def add_shared(out: torch.Tensor, shared: torch.Tensor | None, shared_logit: torch.Tensor | None,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
+def add_shared_and_residual(out: torch.Tensor, shared: torch.Tensor | None, shared_logit: torch.Tensor | None,
+                            residual: torch.Tensor | None = None) -> torch.Tensor:
     """out + sigmoid(shared_logit) * shared (the shared expert's output [T, hidden] under its gate [T, 1]),
     then residual + that: the torch path of what the Triton combine sums in one kernel."""
     out = out if shared is None else out + torch.sigmoid(shared_logit) * shared

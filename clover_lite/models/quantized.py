@@ -15,7 +15,7 @@ from torch import nn
 
 from ..quant.nf4 import dequantize_nf4
 from ..quant.pack import PACK, dequantize, sort_rows_by_group, zero_offset
-from .moe import add_shared, dispatch
+from .moe import add_shared_and_residual, dispatch
 
 
 class QuantLinear(nn.Module):
@@ -166,7 +166,8 @@ class QuantExperts(nn.Module):
                 return fused_moe(x, weights, ids, *parts, gemv_max_rows=1 << 30, **extra)
             return fused_moe(x, weights, ids, *parts, **extra)
         # Reference path: each expert that received tokens is dequantized and run once.
-        return add_shared(dispatch(x, weights, ids, self.num_experts, self.expert), shared, shared_logit, residual)
+        out = dispatch(x, weights, ids, self.num_experts, self.expert)
+        return add_shared_and_residual(out, shared, shared_logit, residual)
 
 
 def share_row_order(gate: nn.Module, up: nn.Module) -> None:
