@@ -140,7 +140,7 @@ def ptx_stats(kernel) -> str:
 
 def int4_pointers(act: str, out: str) -> dict[str, str]:
     p = {n: "*i32" for n in ("rows_ptr", "tile_expert_ptr", "row_expert_ptr", "qw_ptr", "qz_ptr", "gi_ptr",
-                             "qw2_ptr", "qz2_ptr", "gi2_ptr")}
+                             "qw2_ptr", "qz2_ptr", "gi2_ptr", "rank_ptr", "count_ptr")}
     p.update(x_ptr=act, out_ptr=out, row_scale_ptr="*fp32", sc_ptr="*fp16", sc2_ptr="*fp16")
     return p
 
@@ -160,7 +160,8 @@ def cases(arch: str, quick: bool):
                 g = configs.for_gathered_groups(c, arch, fused) if gidx else c  # as the launcher adjusts it
                 consts = dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_GIDX=gidx, DOT_IEEE=False,
                               PLANES=not gidx and g.block_k >= 128 and g.planes, PARTIAL=g.split_k > 1 and not fused,
-                              PAIRS=False, **flags)  # as the launcher sets it (the MoE's gate/up: no split)
+                              PAIRS=False, EXPERT_RUNS=False, **flags)  # as the launcher sets it (the MoE's
+                # gate/up: no split)
                 out = "*fp32" if g.split_k > 1 and not fused else act
                 yield (f"w4a16 gemm M<={m} {label}{' g_idx' if gidx else ''}", w4_k._gemm_kernel,
                        int4_pointers(act, out), consts, g.num_warps, g.num_stages,
@@ -168,6 +169,18 @@ def cases(arch: str, quick: bool):
                 if consts["PLANES"] and m > 1:  # the sweep's candidate: pairs of planes, same tile
                     yield (f"w4a16 gemm M<={m} {label} pairs", w4_k._gemm_kernel, int4_pointers(act, out),
                            dict(consts, PAIRS=True), g.num_warps, g.num_stages, g.smem_bytes(fused=fused))
+    # The MoE's expert runs (one program per pair, runs of up to 16 pairs of an expert): the table's entry, or
+    # the M <= 16 GEMM tile where there is none, with planes and with pairs of planes.
+    g = configs.MOE_RUNS_TABLE.get(arch, configs.gemm_config(arch, 16))
+    for label, fused, scale in ((" gate/up", True, False), (" down", False, True)):
+        for pairs in (False, True):
+            consts = dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_ROWS=fused, HAS_EXPERTS=True,
+                          HAS_GIDX=False, FUSE_GATE_UP=fused, HAS_ROW_SCALE=scale, DOT_IEEE=False,
+                          PLANES=g.block_k >= 128 and g.planes, PARTIAL=False, PAIRS=pairs, EXPERT_RUNS=True)
+            if pairs and not consts["PLANES"]:
+                continue
+            yield (f"moe runs{label}{' pairs' if pairs else ''}", w4_k._gemm_kernel, int4_pointers(act, act), consts,
+                   g.num_warps, g.num_stages, g.smem_bytes(fused=fused))
     g = configs.GEMV_TABLE[arch]
     # Dense M = 1 (K split, fp32 partials), the MoE's fused gate/up and its down projection (routing weight).
     for label, fused, partial in (("", False, True), (" moe gate/up", True, False), (" moe down", False, False)):

@@ -109,45 +109,55 @@ def check_moe(device, gen, smoke) -> str:
         logits = torch.randn(T, E, generator=gen).to(device)
         w, ids = torch.topk(torch.softmax(logits, -1), k)
         ref = dispatch(x.to(dt).float(), w.to(dt).float(), ids, E, expert)
-        # The table's MoE GEMV, then two pairs of an expert per program (moe_gemv.py) on the GEMV path.
-        for grouped in (False, True) if T <= 64 else (False,):
-            with _moe_gemv_rows(device, 2 if grouped else None):
+        # The table's MoE path, then the other paths of a step's MoE: two pairs of an expert per GEMV program
+        # (moe_gemv.py), and the expert runs (w4a16.gemm with runs) with planes and with pairs of planes.
+        for path in (None, "2 pairs", "runs", "runs, pairs") if T <= 64 else (None,):
+            if path == "runs, pairs" and dt == torch.float32:
+                continue  # (pairs are for 16-bit activations; fp32 takes IEEE planes)
+            with _moe_path(device, path):
                 out = fused_moe(x.to(dt), w.to(dt), ids, *(Int4Weights(**ws[p]) for p in ("gate", "up", "down")))
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-            key = (dt, grouped)
+            key = (dt, path)
             worst[key] = max(worst.get(key, 0.0), err)
             if not err < (1e-3 if dt == torch.float32 else 2e-2):
-                raise AssertionError(f"fused MoE T={T} {dt}{' 2 pairs/program' if grouped else ''}: rel err {err}")
-    return "max rel err " + ", ".join(f"{v:.1e} ({str(d).removeprefix('torch.')}{', 2 pairs' if g else ''})"
-                                      for (d, g), v in worst.items())
+                raise AssertionError(f"fused MoE T={T} {dt}{f' ({path})' if path else ''}: rel err {err}")
+    return "max rel err " + ", ".join(f"{v:.1e} ({str(d).removeprefix('torch.')}{f', {p}' if p else ''})"
+                                      for (d, p), v in worst.items())
 
 
-class _moe_gemv_rows:
-    """Within: the MoE GEMV config with `rows` pairs per program (None: the table as it stands)."""
+class _moe_path:
+    """Within: the step's MoE on `path` ("2 pairs": the GEMV with two pairs of an expert per program; "runs",
+    "runs, pairs": expert runs with planes or pairs of planes; None: the tables as they stand)."""
 
-    def __init__(self, device, rows):
-        from dataclasses import replace
-
+    def __init__(self, device, path):
         from clover_lite.kernels import configs
 
-        self.configs, self.rows = configs, rows
+        self.configs, self.path = configs, path
         self.key = None if device.type == "cpu" else configs.arch_of(torch.cuda.get_device_capability(device))
-        self.saved = (dict(configs.MOE_GEMV_TABLE), configs.INTERPRET_MOE_GEMV)
-        self.replace = replace
+        self.saved = (dict(configs.MOE_GEMV_TABLE), dict(configs.MOE_RUNS_TABLE), configs.INTERPRET_MOE_GEMV,
+                      configs.INTERPRET_MOE_RUNS)
 
     def __enter__(self):
-        c = self.configs
-        if self.rows is None:
-            return
-        if self.key is None:
-            c.INTERPRET_MOE_GEMV = self.replace(c.INTERPRET_MOE_GEMV, rows=self.rows)
-        else:  # 64 x 128 at 4 warps: a tile that compiles without spilling (benchmarks/compile_check.py)
-            c.MOE_GEMV_TABLE[self.key] = c.GemvConfig(64, 128, 4, 2, split_k=16, rows=self.rows)
+        c, key = self.configs, self.key
+        if self.path == "2 pairs":  # 64 x 128 at 4 warps: a tile that compiles without spilling (compile_check)
+            c.MOE_RUNS_TABLE.pop(key, None)
+            c.INTERPRET_MOE_RUNS = None
+            if key is None:
+                c.INTERPRET_MOE_GEMV = c.GemvConfig(128, 64, 4, 1, split_k=2, rows=2)
+            else:
+                c.MOE_GEMV_TABLE[key] = c.GemvConfig(64, 128, 4, 2, split_k=16, rows=2)
+        elif self.path is not None:  # on the CPU (--smoke: groups of 32) a K tile of 32, no planes
+            if key is None:
+                c.INTERPRET_MOE_RUNS = c.GemmConfig(16, 64, 32, 2, 4, 1)
+            else:
+                c.MOE_RUNS_TABLE[key] = c.GemmConfig(16, 128, 128, 4, 4, 3, pairs=self.path == "runs, pairs")
 
     def __exit__(self, *exc):
-        self.configs.MOE_GEMV_TABLE.clear()
-        self.configs.MOE_GEMV_TABLE.update(self.saved[0])
-        self.configs.INTERPRET_MOE_GEMV = self.saved[1]
+        c = self.configs
+        for table, before in zip((c.MOE_GEMV_TABLE, c.MOE_RUNS_TABLE), self.saved[:2], strict=True):
+            table.clear()
+            table.update(before)
+        c.INTERPRET_MOE_GEMV, c.INTERPRET_MOE_RUNS = self.saved[2:]
 
 
 def check_moe_route(device, gen, smoke) -> str:

@@ -181,19 +181,24 @@ def sweep_moe(m, device, dtype, reps, deadline, smoke, arch) -> dict:
         routings.append((w.to(dtype), ids))
     floor = touched * per_expert / kb.copy_bandwidth(device)
     key = arch or "sm_90"
-    base = configs.gemv_config(key, moe=True)
+    base = configs.MOE_RUNS_TABLE.get(key) or configs.gemv_config(key, moe=True)
     if smoke:
         cands = [configs.GemvConfig(32, 32, 4, 1, 16), configs.GemvConfig(64, 32, 4, 1, 16),
-                 configs.GemvConfig(32, 32, 4, 1, 16, rows=2)]
+                 configs.GemvConfig(32, 32, 4, 1, 16, rows=2), configs.GemmConfig(16, 32, 32, 2, 4, 1)]
     else:
         cands = [configs.GemvConfig(bn, bk, w, 2, 16) for bn in (64, 128, 256) for bk in (64, 128) for w in (2, 4, 8)]
         # Two pairs of an expert per program (kernels/moe_gemv.py): the tiles that compiled for sm_90 without
         # spilling (benchmarks/compile_check.py; 64 x 128 at 2 warps spilled 880 bytes).
         cands += [configs.GemvConfig(bn, bk, w, 2, 16, rows=2)
                   for bn, bk, w in ((32, 128, 2), (64, 64, 2), (64, 128, 4), (128, 64, 4), (128, 128, 8))]
+        # Expert runs (w4a16.gemm with runs: up to 16 pairs of an expert in one tensor-core tile): planes, pairs
+        # of planes, and the unpacked tile; split-K up to 1 or 4 (trimmed to fill the GPU).
+        cands += [configs.GemmConfig(16, bn, 128, sk, 4, 3, pairs=pairs)
+                  for bn in (64, 128) for sk in (1, 4) for pairs in (False, True)]
+        cands += [configs.GemmConfig(16, bn, 64, 4, 4, 3, planes=False) for bn in (64, 128)]
     if base is not None and base not in cands:
         cands.insert(0, base)
-    saved = dict(configs.MOE_GEMV_TABLE)
+    saved = dict(configs.MOE_GEMV_TABLE), dict(configs.MOE_RUNS_TABLE)
     results = []
 
     def moe(w, ids):
@@ -202,7 +207,11 @@ def sweep_moe(m, device, dtype, reps, deadline, smoke, arch) -> dict:
     ref = moe(*routings[0]).float()  # the table's entry (gpu_check checks it against the dequantized experts)
 
     def run(cfg):
-        configs.MOE_GEMV_TABLE[key] = cfg
+        if isinstance(cfg, configs.GemmConfig):  # an expert-runs tile: the MoE takes runs where the table has one
+            configs.MOE_RUNS_TABLE[key] = cfg
+        else:
+            configs.MOE_RUNS_TABLE.pop(key, None)
+            configs.MOE_GEMV_TABLE[key] = cfg
         try:
             err = ((moe(*routings[0]).float() - ref).abs().max() / ref.abs().max()).item()
             if not err < (1e-3 if dtype == torch.float32 else 2e-2):
@@ -214,42 +223,65 @@ def sweep_moe(m, device, dtype, reps, deadline, smoke, arch) -> dict:
             print(f"  MoE failed: {cfg}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
             return None
         finally:
-            configs.MOE_GEMV_TABLE.clear()
-            configs.MOE_GEMV_TABLE.update(saved)
+            for table, before in zip((configs.MOE_GEMV_TABLE, configs.MOE_RUNS_TABLE), saved, strict=True):
+                table.clear()
+                table.update(before)
 
+    def entry(cfg, t):
+        return {"kind": "runs" if isinstance(cfg, configs.GemmConfig) else "gemv", "config": asdict(cfg), "s": t}
+
+    tried = []
     for cfg in cands:
         if deadline.left() < 0:
             break
         t = run(cfg)
+        tried.append((cfg, t))
         if t is not None:
-            results.append({"config": asdict(cfg), "s": t})
+            results.append(entry(cfg, t))
     results.sort(key=lambda r: r["s"])
     if not smoke:
-        for r in list(results[:3]):
+        for cfg0, _ in sorted(((c, t) for c, t in tried if t is not None), key=lambda ct: ct[1])[:3]:
             for st in (1, 3, 4):
                 if deadline.left() < 0:
                     break
-                cfg = replace(configs.GemvConfig(**r["config"]), num_stages=st)
+                cfg = replace(cfg0, num_stages=st)
+                if cfg in (c for c, _ in tried):
+                    continue
                 t = run(cfg)
+                tried.append((cfg, t))
                 if t is not None:
-                    results.append({"config": asdict(cfg), "s": t})
+                    results.append(entry(cfg, t))
         results.sort(key=lambda r: r["s"])
-    table_s = next((r["s"] for r in results if base is not None and configs.GemvConfig(**r["config"]) == base), None)
+    table_s = next((t for c, t in tried if c == base), None)
     return {"M": m, "experts_touched": touched, "floor_s": floor, "table": base and asdict(base),
-            "table_s": table_s, "results": results}
+            "table_kind": "runs" if isinstance(base, configs.GemmConfig) else "gemv", "table_s": table_s,
+            "results": results}
 
 
 def print_moe(moe: dict) -> None:
     print(f"\n== fused MoE GEMV, M={moe['M']} ({moe['experts_touched']:.0f} experts touched, floor "
           f"{moe['floor_s'] * 1e6:.1f} us); table's entry {moe['table']}: "
           f"{(moe['table_s'] or float('nan')) * 1e6:.1f} us", flush=True)
-    for x in moe["results"][:6]:
-        c = x["config"]
-        print(f"  BN {c['block_n']:>3} BK {c['block_k']:>3} w{c['num_warps']} st{c['num_stages']} "
-              f"{'2 pairs' if c['rows'] == 2 else '1 pair '}  {x['s'] * 1e6:7.1f} us")
-    for rows, label in ((1, "one pair"), (2, "two pairs")):  # the grouped kernel against the ungrouped one
-        best = [x["s"] for x in moe["results"] if x["config"]["rows"] == rows]
-        print(f"  best with {label} a program: {min(best) * 1e6:.1f} us" if best else f"  {label}: none ran")
+    for x in moe["results"][:8]:
+        print(f"  {fmt_moe(x)}  {x['s'] * 1e6:7.1f} us")
+    # The grouped kernel and the expert runs against the ungrouped GEMV.
+    for label, keep in (("one pair a program", lambda x: x["kind"] == "gemv" and x["config"]["rows"] == 1),
+                        ("two pairs a program", lambda x: x["kind"] == "gemv" and x["config"]["rows"] == 2),
+                        ("expert runs", lambda x: x["kind"] == "runs")):
+        best = [x for x in moe["results"] if keep(x)]
+        print(f"  best with {label}: {best[0]['s'] * 1e6:.1f} us ({fmt_moe(best[0])})" if best
+              else f"  {label}: none ran")
+
+
+def fmt_moe(x: dict) -> str:
+    c = x["config"]
+    if x["kind"] == "runs":
+        planes = c["planes"] and c["block_k"] >= 128  # (as the launcher decides, for weights without a g_idx)
+        kind = "pairs of planes" if c["pairs"] and planes else "planes" if planes else "tile"
+        return (f"runs BN {c['block_n']:>3} BK {c['block_k']:>3} split<={c['split_k']} w{c['num_warps']} "
+                f"st{c['num_stages']} {kind}")
+    return (f"GEMV BN {c['block_n']:>3} BK {c['block_k']:>3} w{c['num_warps']} st{c['num_stages']} "
+            f"{'2 pairs' if c['rows'] == 2 else '1 pair '}")
 
 
 def fmt_gemm(c: dict, planes: bool) -> str:

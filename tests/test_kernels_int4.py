@@ -271,9 +271,9 @@ def test_bf16_input_is_computed_in_fp32_under_the_interpreter():
     torch.testing.assert_close(y.double(), x.double() @ w.t(), atol=5e-2, rtol=2e-2)
 
 
-def _moe_case(E, k, T, hidden=64, inter=32, fmt="gptq", sym=True, act_order=False):
-    gate_t, gate_w = random_int4(hidden, inter, 32, fmt, sym, act_order, stack=E)
-    up_t, up_w = random_int4(hidden, inter, 32, fmt, sym, act_order, stack=E)
+def _moe_case(E, k, T, hidden=64, inter=32, fmt="gptq", sym=True, act_order=False, group=32):
+    gate_t, gate_w = random_int4(hidden, inter, group, fmt, sym, act_order, stack=E)
+    up_t, up_w = random_int4(hidden, inter, group, fmt, sym, act_order, stack=E)
     down_t, down_w = random_int4(inter, hidden, 32, fmt, sym, act_order, stack=E)
     x = torch.randn(T, hidden, generator=GEN)
     logits = torch.randn(T, E, generator=GEN)
@@ -329,6 +329,35 @@ def test_grouped_moe_gemv_matches_reference(monkeypatch, split, E, k, T, variant
     out = fused_moe(x, wts, ids, gate, up, down, gemv_max_rows=1 << 20)  # the GEMV path at any rows per expert
     assert len(launched) >= 2  # the grouped kernel ran (gate/up and down)
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("split, E, k, T, variant", [
+    (1, 8, 2, 5, "sym"), (2, 4, 2, 21, "asym-v2"), (1, 6, 3, 19, "asym-actorder"), (2, 4, 2, 13, "planes"),
+    (1, 8, 2, 9, "pairs"), (2, 128, 8, 3, "asym"),
+])
+def test_moe_expert_runs_match_reference(monkeypatch, split, E, k, T, variant):
+    """The MoE's expert runs (w4a16.gemm with runs): each expert's pairs in runs of up to 16 rows, one program
+    per pair of which only each run's first works. Experts holding 1 pair, 16, and more than 16 (two runs:
+    21 tokens top-2 of 4 experts), none; split-K (the combine sums the down projection's partials, the gate/up's
+    gated sum), act-order g_idx, nibble planes and pairs of them (group 128), against float64."""
+    planes = variant in ("planes", "pairs")
+    monkeypatch.setattr(configs, "INTERPRET_MOE_RUNS", configs.GemmConfig(
+        16, 64, 128 if planes else 32, split, 4, 1, planes=planes, pairs=variant == "pairs"))
+    x, wts, ids, gate, up, down, ref = _moe_case(
+        E, k, T, hidden=256 if planes else 64, fmt="gptq_v2" if "v2" in variant else "gptq",
+        sym=not variant.startswith("asym"), act_order="actorder" in variant, group=128 if planes else 32)
+    if T > 16:  # every token's first choice is expert 0: its T pairs take two runs
+        ids[:, 0] = 0
+        ids[:, 1] = torch.where(ids[:, 1] == 0, 2, ids[:, 1])
+    if variant == "pairs":  # 16-bit activations (the pairs' operands)
+        x = x.half()
+    ref = moe_reference(x.double(), wts.double(), ids, E, lambda e, h: _moe_expert(gate, up, down, e, h))
+    launched = []
+    monkeypatch.setattr(w4a16, "_gemm_kernel", _Recorder(w4a16._gemm_kernel, launched))
+    out = fused_moe(x, wts, ids, gate, up, down, gemv_max_rows=1 << 20)  # the step's path at any rows per expert
+    assert [g[0] for g in launched] == [ids.numel()] * 2  # one program per pair, gate/up and down
+    torch.testing.assert_close(out.double(), ref, **(tol(torch.float16) if x.dtype == torch.float16 else
+                                                     dict(atol=1e-4, rtol=1e-4)))
 
 
 class _Recorder:

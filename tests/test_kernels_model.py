@@ -100,15 +100,22 @@ def test_static_step_equals_the_step_and_generation(tiny2_dir, tmp_path):
         eng.generate(prompt, max_new_tokens=100)
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_86"])
-def test_kernels_at_a_gpus_table_configs_match_the_reference(tiny2_dir, tmp_path, monkeypatch, arch):
+@pytest.mark.parametrize("arch, runs", [("sm_90", False), ("sm_86", False), ("sm_90", True)])
+def test_kernels_at_a_gpus_table_configs_match_the_reference(tiny2_dir, tmp_path, monkeypatch, arch, runs):
     """The interpreter otherwise runs one config per kernel; here every kernel takes what it would on the
     named GPU (tiles, split-K filling 132 SMs, the MoE GEMV's): a step of 4 tokens (GEMV paths) of the
     quantized model in fp32 over the cache of a 40-token prefill (GEMM, tiled MoE), against the torch path.
+    `runs`: the step's MoE in expert runs at the sweep's 16 x 128 x 128 tile (configs.MOE_RUNS_TABLE).
     (Call 3's fp32 model check failed on an H200: this rules out the configs' logic, not the GPU's code.)"""
-    from clover_lite.kernels import attention, moe, w4a16
+    from clover_lite.kernels import attention, configs, moe, w4a16
     from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
 
+    took_runs = []
+    if runs:
+        monkeypatch.setitem(configs.MOE_RUNS_TABLE, arch, configs.GemmConfig(16, 128, 128, 4, 4, 3))
+        gemm = moe.gemm
+        monkeypatch.setattr(moe, "gemm",
+                            lambda *a, **kw: took_runs.append(kw.get("runs") is not None) or gemm(*a, **kw))
     for module in (w4a16, moe, attention):
         monkeypatch.setattr(module, "_arch", lambda device: arch)
     monkeypatch.setattr(w4a16, "_sm_count", lambda index: 132)
@@ -124,3 +131,4 @@ def test_kernels_at_a_gpus_table_configs_match_the_reference(tiny2_dir, tmp_path
             engine.model.prefill(ids[:, :40], cache, 4)
             steps.append(engine.model.step(ids[:, 40:], cache)[0])
     torch.testing.assert_close(steps[1], steps[0], atol=1e-4, rtol=1e-4)
+    assert any(took_runs) == runs  # the step's MoE in expert runs, the prefill's padded

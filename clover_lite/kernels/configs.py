@@ -117,6 +117,13 @@ GEMV_TABLE: dict[str, GemvConfig] = {
 MOE_GEMV_TABLE: dict[str, GemvConfig] = {
     "sm_90": GemvConfig(64, 128, 2, 4, split_k=16),
 }
+# The MoE's expert runs (w4a16.gemm with runs): up to BLOCK_M pairs of one expert in one tensor-core tile,
+# one program per pair of a fixed grid, so each expert's weights are read once per run and the step's graph
+# needs no host sync. Compiled for sm_90 (benchmarks/compile_check.py --as-run) the fused gate/up's K loop
+# at 16 x 128 x 128, 4 warps, runs 3.8 instructions per weight whatever the run's rows (3.1 with pairs of
+# planes), where the GEMV runs 4.25 per weight and pair, 6.7 per expert at a 32-token block's 1.57 pairs.
+# Unmeasured on a GPU: no entry yet, so the MoE keeps the GEMV; benchmarks/sweep.py times the candidates.
+MOE_RUNS_TABLE: dict[str, GemmConfig] = {}
 # GEMV programs in flight per SM that the split aims at. Its loads are plain (not cp.async pipelined): a
 # program has one [BK/8, BN] tile of words in flight (8 KB at 128 x 128), and an H200 needs about 25 KB in
 # flight per SM to cover its memory latency at full bandwidth (4.8 TB/s x ~0.7 us / 132 SMs).
@@ -125,6 +132,7 @@ GEMV_PROGRAMS_PER_SM = 4
 INTERPRET_GEMM = GemmConfig(16, 64, 32, 1, 4, 1)
 INTERPRET_GEMV = GemvConfig(128, 64, 4, 1)
 INTERPRET_MOE_GEMV = INTERPRET_GEMV  # the MoE's GEMV there: tests set a split, or rows=2 for the grouped kernel
+INTERPRET_MOE_RUNS: GemmConfig | None = None  # the MoE's expert runs there (tests set one)
 # Rows per expert below which the MoE takes the GEMV path instead of padding experts to BLOCK_M rows.
 MOE_GEMV_MAX_ROWS_PER_EXPERT = 4
 
@@ -140,6 +148,12 @@ def arch_of(capability: tuple[int, int]) -> str:
 
 def gemv_config(arch: str, moe: bool = False) -> GemvConfig:
     return MOE_GEMV_TABLE.get(arch, GEMV_TABLE[arch]) if moe else GEMV_TABLE[arch]
+
+
+def moe_runs_config(arch: str | None) -> GemmConfig | None:
+    """The expert-runs tile for a step's MoE on this architecture (None under the interpreter: the test's
+    INTERPRET_MOE_RUNS), or None where the GEMV is the MoE's path."""
+    return INTERPRET_MOE_RUNS if arch is None else MOE_RUNS_TABLE.get(arch)
 
 
 def gemm_config(arch: str, m: int) -> GemmConfig:

@@ -213,7 +213,7 @@ def _tile_product(x, qw_ptr, sc_ptr, qz_ptr, gi_ptr, e, offs_k, offs_n, k_ok, n_
 
 @triton.jit
 def _gemm_kernel(
-    x_ptr, rows_ptr, tile_expert_ptr, out_ptr, row_scale_ptr,
+    x_ptr, rows_ptr, tile_expert_ptr, out_ptr, row_scale_ptr, rank_ptr, count_ptr,
     qw_ptr, sc_ptr, qz_ptr, gi_ptr, qw2_ptr, sc2_ptr, qz2_ptr, gi2_ptr,
     M, N, K, k_per_split, group_size, zero_offset,
     s_xm, s_xk, s_os, s_om, s_on,
@@ -221,14 +221,25 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_ROWS: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_GIDX: tl.constexpr, FUSE_GATE_UP: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, DOT_IEEE: tl.constexpr, PLANES: tl.constexpr, PARTIAL: tl.constexpr,
-    PAIRS: tl.constexpr = False,
+    PAIRS: tl.constexpr = False, EXPERT_RUNS: tl.constexpr = False,
 ):
+    """EXPERT_RUNS: the M rows are (token, expert) pairs sorted by expert (moe_route.sort_pairs), and program
+    p of axis 0 leads the run of up to BLOCK_M pairs of its expert that starts at pair p when p's rank among
+    that expert's pairs is a multiple of BLOCK_M (tile_expert: each pair's expert). The others run no K loop
+    and store nothing. A fixed grid (one program per pair) that reads each expert's weights once per run,
+    with no host sync to lay the tiles out (align_by_expert's padding needs one)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if EXPERT_RUNS:
+        rank = tl.load(rank_ptr + pid_m)
+        run = tl.where(rank % BLOCK_M == 0, tl.minimum(tl.load(count_ptr + pid_m) - rank, BLOCK_M), 0)
+        offs_m = pid_m + tl.arange(0, BLOCK_M)
+        m_ok = tl.arange(0, BLOCK_M) < run
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
     n_ok = offs_n < N
     if HAS_ROWS:  # gathered rows (MoE): -1 marks padding
         rows = tl.load(rows_ptr + offs_m, mask=m_ok, other=-1)
@@ -243,6 +254,8 @@ def _gemm_kernel(
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    if EXPERT_RUNS:
+        k_end = tl.where(run > 0, k_end, k_start)
     opaque_zero = K >> 31  # see _nibble_planes
     g, g_end = _first_group(k_start, group_size)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -507,6 +520,11 @@ def _check_pair(w: Int4Weights, w2: Int4Weights | None) -> None:
                          f"and {theirs}: quantize both projections with the same settings")
 
 
+def _check_partials(sum_splits: bool, w2: Int4Weights | None) -> None:
+    if not sum_splits and w2 is not None:
+        raise ValueError("fused gate/up partials hold both projections: sum_splits=False is for one weight set")
+
+
 def _arch(device: torch.device) -> str | None:
     if device.type != "cuda" or interpreting():
         return None
@@ -569,11 +587,19 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: torch.Tensor | None = None,
          tile_expert: torch.Tensor | None = None, row_scale: torch.Tensor | None = None, n_rows: int | None = None,
-         config: configs.GemmConfig | None = None, planes: bool | None = None) -> torch.Tensor:
+         config: configs.GemmConfig | None = None, planes: bool | None = None,
+         runs: tuple[torch.Tensor, torch.Tensor] | None = None, sum_splits: bool = True) -> torch.Tensor:
     """out [n_rows, N] = x[rows] @ W_e (per tile expert), optionally silu(x W) * (x W2) and * row_scale.
     `planes`: dot the packed words as 8 nibble planes (default: the config's choice, where possible: no g_idx,
-    K tile >= 128); False keeps the unpacked [BK, BN] tile, which benchmarks/kernels.py times side by side."""
+    K tile >= 128); False keeps the unpacked [BK, BN] tile, which benchmarks/kernels.py times side by side.
+    `runs` (rank, count): the rows are (token, expert) pairs sorted by expert, each with its rank among its
+    expert's pairs and that expert's pair count (moe_route.ExpertPairs), `tile_expert` each pair's expert:
+    one program per pair, those at ranks 0, BLOCK_M, ... each taking up to BLOCK_M pairs (_gemm_kernel's
+    EXPERT_RUNS). `sum_splits=False` (not fused): the split-K partials [splits, n_rows, N] as they are."""
     _check_x(x, w)
+    _check_partials(sum_splits, w2)
+    if runs is not None and tile_expert is None:
+        raise ValueError("runs of pairs need each pair's expert (tile_expert)")
     _check_pair(w, w2)
     cdt = _compute_dtype(x)
     xc = _as(x, cdt)
@@ -594,12 +620,13 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
     use_planes = w.g_idx is None and bk >= 128 and (cfg.planes if planes is None else planes)
     fused = w2 is not None
     out = _split_buffer(split, M, w, fused, cdt, x.device)
-    grid = (cdiv(M, cfg.block_m), cdiv(w.N, cfg.block_n), split)
+    grid = (M if runs is not None else cdiv(M, cfg.block_m), cdiv(w.N, cfg.block_n), split)
     w2a = w2.args() if w2 is not None else w.args()
     dummy = out
+    rank, count = runs if runs is not None else (dummy, dummy)
     _gemm_kernel[grid](
         xc, rows if rows is not None else dummy, tile_expert if tile_expert is not None else dummy, out,
-        row_scale if row_scale is not None else dummy,
+        row_scale if row_scale is not None else dummy, rank, count,
         *w.args(), *w2a,
         M, w.N, w.K, k_per, w.group_size, w.zero_offset,
         xc.stride(0), xc.stride(1), out.stride(0), out.stride(1), out.stride(2),
@@ -608,9 +635,9 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         HAS_ROWS=rows is not None, HAS_EXPERTS=tile_expert is not None, HAS_GIDX=w.g_idx is not None,
         FUSE_GATE_UP=w2 is not None, HAS_ROW_SCALE=row_scale is not None, DOT_IEEE=cdt == torch.float32,
         PLANES=use_planes, PARTIAL=split > 1, PAIRS=use_planes and cfg.pairs and cdt != torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EXPERT_RUNS=runs is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return _split_result(out, x, w, cdt, fused)
+    return out if not sum_splits else _split_result(out, x, w, cdt, fused)
 
 
 def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: torch.Tensor | None = None,
@@ -651,8 +678,7 @@ def _gemv_plan(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None, P: int, 
     tile), the K tile and split, and the output [splits, P, N] (2N: fused gate/up partials). None for P = 0."""
     _check_x(x, w)
     _check_pair(w, w2)
-    if not sum_splits and w2 is not None:
-        raise ValueError("fused gate/up partials hold both projections: sum_splits=False is for one weight set")
+    _check_partials(sum_splits, w2)
     cdt = _compute_dtype(x)
     arch = _arch(x.device)
     interp = configs.INTERPRET_MOE_GEMV if moe else configs.INTERPRET_GEMV
