@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from clover_lite.kernels import attention as attn_k  # noqa: E402
-from clover_lite.kernels import configs  # noqa: E402
+from clover_lite.kernels import configs, mma_layout  # noqa: E402
 from clover_lite.kernels import gdn as gdn_k  # noqa: E402
 from clover_lite.kernels import gdn_prep as prep_k  # noqa: E402
 from clover_lite.kernels import moe_gemv as gemv_k  # noqa: E402
@@ -160,8 +160,8 @@ def cases(arch: str, quick: bool):
                 g = configs.for_gathered_groups(c, arch, fused) if gidx else c  # as the launcher adjusts it
                 consts = dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_GIDX=gidx, DOT_IEEE=False,
                               PLANES=not gidx and g.block_k >= 128 and g.planes, PARTIAL=g.split_k > 1 and not fused,
-                              PAIRS=False, EXPERT_RUNS=False, **flags)  # as the launcher sets it (the MoE's
-                # gate/up: no split)
+                              PAIRS=False, EXPERT_RUNS=False, MMA_ORDER=0, **flags)
+                # (as the launcher sets it: the MoE's gate/up has no split)
                 out = "*fp32" if g.split_k > 1 and not fused else act
                 yield (f"w4a16 gemm M<={m} {label}{' g_idx' if gidx else ''}", w4_k._gemm_kernel,
                        int4_pointers(act, out), consts, g.num_warps, g.num_stages,
@@ -169,6 +169,11 @@ def cases(arch: str, quick: bool):
                 if consts["PLANES"] and m > 1:  # the sweep's candidate: pairs of planes, same tile
                     yield (f"w4a16 gemm M<={m} {label} pairs", w4_k._gemm_kernel, int4_pointers(act, out),
                            dict(consts, PAIRS=True), g.num_warps, g.num_stages, g.smem_bytes(fused=fused))
+                if not gidx:  # the modules' weights, repacked in the MMA order this Triton's dot takes
+                    mg = configs.for_mma_order(g, arch)
+                    yield (f"w4a16 gemm M<={m} {label} mma", w4_k._gemm_kernel, int4_pointers(act, out),
+                           dict(consts, BLOCK_K=mg.block_k, PLANES=False, MMA_ORDER=mma_layout.kernel_order()),
+                           mg.num_warps, mg.num_stages, mg.smem_bytes(fused=fused))
     # The MoE's expert runs (one program per pair, runs of up to 16 pairs of an expert): the table's entry, or
     # the M <= 16 GEMM tile where there is none, with planes and with pairs of planes.
     g = configs.MOE_RUNS_TABLE.get(arch, configs.gemm_config(arch, 16))
@@ -176,24 +181,32 @@ def cases(arch: str, quick: bool):
         for pairs in (False, True):
             consts = dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_ROWS=fused, HAS_EXPERTS=True,
                           HAS_GIDX=False, FUSE_GATE_UP=fused, HAS_ROW_SCALE=scale, DOT_IEEE=False,
-                          PLANES=g.block_k >= 128 and g.planes, PARTIAL=False, PAIRS=pairs, EXPERT_RUNS=True)
+                          PLANES=g.block_k >= 128 and g.planes, PARTIAL=False, PAIRS=pairs, EXPERT_RUNS=True,
+                          MMA_ORDER=0)
             if pairs and not consts["PLANES"]:
                 continue
             yield (f"moe runs{label}{' pairs' if pairs else ''}", w4_k._gemm_kernel, int4_pointers(act, act), consts,
                    g.num_warps, g.num_stages, g.smem_bytes(fused=fused))
+            if not pairs:
+                mg = configs.for_mma_order(g, arch)
+                yield (f"moe runs{label} mma", w4_k._gemm_kernel, int4_pointers(act, act),
+                       dict(consts, BLOCK_K=mg.block_k, PLANES=False, MMA_ORDER=mma_layout.kernel_order()),
+                       mg.num_warps, mg.num_stages, mg.smem_bytes(fused=fused))
     g = configs.GEMV_TABLE[arch]
     # Dense M = 1 (K split, fp32 partials), the MoE's fused gate/up and its down projection (routing weight).
     for label, fused, partial in (("", False, True), (" moe gate/up", True, False), (" moe down", False, False)):
         consts = dict(BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_ROWS=fused, HAS_EXPERTS=bool(label),
                       HAS_GIDX=False, FUSE_GATE_UP=fused, HAS_ROW_SCALE=bool(label) and not fused, PARTIAL=partial,
-                      EVEN_K=True)
-        yield (f"w4a16 gemv{label}", w4_k._gemv_kernel, int4_pointers(act, "*fp32" if partial else act), consts,
-               g.num_warps, g.num_stages, g.smem_bytes())
+                      EVEN_K=True, MMA_ORDER=0)
+        for order in (0, mma_layout.kernel_order()):
+            yield (f"w4a16 gemv{label}{' mma' if order else ''}", w4_k._gemv_kernel,
+                   int4_pointers(act, "*fp32" if partial else act), dict(consts, MMA_ORDER=order), g.num_warps,
+                   g.num_stages, g.smem_bytes())
     # The MoE GEMV with two pairs of an expert per program (moe_gemv.py), at the MoE table's tile.
     g = configs.gemv_config(arch, moe=True)
     for label, fused in ((" gate/up", True), (" down", False)):
         consts = dict(BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_ROWS=fused, FUSE_GATE_UP=fused,
-                      HAS_ROW_SCALE=not fused, PARTIAL=not fused, EVEN_K=True)
+                      HAS_ROW_SCALE=not fused, PARTIAL=not fused, EVEN_K=True, MMA_ORDER=mma_layout.kernel_order())
         ptrs = int4_pointers(act, "*fp32" if not fused else act)
         ptrs.update(expert_ptr="*i32", rank_ptr="*i32", count_ptr="*i32")
         yield (f"moe grouped gemv{label}", gemv_k._grouped_gemv_kernel, ptrs, consts, g.num_warps, g.num_stages,

@@ -47,18 +47,22 @@ def _int4(K, N, group, device, gen, stack=None, act_order=False, fmt="gptq"):
 def check_w4a16(device, gen, smoke) -> str:
     from dataclasses import replace
 
+    from clover_lite.kernels import mma_layout
     from clover_lite.kernels.w4a16 import (
         Int4Weights,
         fill_split,
         gemm,
         gemm_config_for,
+        gemv,
         w4a16_matmul,
         w4a16_matmul_reference,
     )
 
-    shapes = [(64, 40, 32)] if smoke else [(2048, 512, 128), (512, 2048, 128), (4096, 2048, 128), (2048, 8192, 64)]
+    shapes = ([(64, 40, 32), (128, 40, 128)] if smoke else
+              [(2048, 512, 128), (512, 2048, 128), (4096, 2048, 128), (2048, 8192, 64)])
     dtypes = [torch.float32] if device.type == "cpu" else [torch.float16, torch.bfloat16]
-    worst = 0.0
+    mma_orders = (mma_layout.kernel_order(), 6 - mma_layout.kernel_order())
+    worst = worst_mma = 0.0
     # fp32 on a GPU (IEEE dots, the tiny model's path in check_model) at each M bucket's config, and the
     # tiny model's group of 32
     cases = [(m, dt) for m in (1, 3, 16, 33, 64) for dt in dtypes]
@@ -66,6 +70,8 @@ def check_w4a16(device, gen, smoke) -> str:
     for K, N, G in shapes + ([] if device.type == "cpu" else [(64, 64, 32), (64, 256, 32)]):
         for act_order, fmt in ((False, "gptq"), (True, "gptq_v2")):
             w = _int4(K, N, G, device, gen, act_order=act_order, fmt=fmt)  # packed on the CPU: once per shape
+            mma = {o: Int4Weights(**{**w, "qweight": mma_layout.to_mma(w["qweight"], o)}, mma_order=o)
+                   for o in mma_orders} if mma_layout.eligible(K, G, w["g_idx"]) else {}
             for m, dt in cases:
                 x = torch.randn(m, K, generator=gen).to(device, dt)
                 out = torch.full((m, N), float("nan"), device=device, dtype=dt)
@@ -81,7 +87,14 @@ def check_w4a16(device, gen, smoke) -> str:
                     worst = max(worst, err)
                     if not err < (1e-4 if dt == torch.float32 else 2e-2):
                         raise AssertionError(f"w4a16 pairs K={K} N={N} M={m} {dt}: rel err {err}")
-    return f"max rel err {worst:.1e}"
+                # The modules' weights: rearranged in the MMA order (this Triton's first, then the other).
+                for order in mma_orders if mma_layout.eligible(K, G, w["g_idx"]) else ():
+                    run = gemv if m <= 4 else gemm
+                    err = ((run(x, mma[order]).float() - ref).abs().max() / ref.abs().max()).item()
+                    worst_mma = max(worst_mma, err)
+                    if not err < (1e-4 if dt == torch.float32 else 2e-2):
+                        raise AssertionError(f"w4a16 MMA order {order} K={K} N={N} M={m} {dt}: rel err {err}")
+    return f"max rel err {worst:.1e}; weights in the MMA order (orders {mma_orders}) {worst_mma:.1e}"
 
 
 def check_moe(device, gen, smoke) -> str:
@@ -100,6 +113,13 @@ def check_moe(device, gen, smoke) -> str:
         act = torch.nn.functional.silu(h @ dense["gate"][e].t()) * (h @ dense["up"][e].t())
         return act @ dense["down"][e].t()
 
+    from clover_lite.kernels import mma_layout
+
+    order = mma_layout.kernel_order()
+    mma = [Int4Weights(**{**ws[p], "qweight": mma_layout.to_mma(ws[p]["qweight"], order)}, mma_order=order)
+           for p in ("gate", "up", "down")] if all(
+        mma_layout.eligible(ws[p]["qweight"].shape[1] * 8, ws[p]["group_size"], None) for p in ws) else None
+
     worst = {}
     # bf16: the runtime's GPU dtype, whose tensor-core tiles take the weights as 16-bit planes of 128 + q
     cases = [(T, torch.float32) for T in ((3, 40) if smoke else (1, 32, 64, 512))]
@@ -116,6 +136,14 @@ def check_moe(device, gen, smoke) -> str:
                 continue  # (pairs are for 16-bit activations; fp32 takes IEEE planes)
             with _moe_path(device, path):
                 out = fused_moe(x.to(dt), w.to(dt), ids, *(Int4Weights(**ws[p]) for p in ("gate", "up", "down")))
+            if path != "runs, pairs" and mma:  # the same path with the experts in the MMA order, as modules hold them
+                with _moe_path(device, path):
+                    out_mma = fused_moe(x.to(dt), w.to(dt), ids, *mma)
+                err = ((out_mma.float() - ref).abs().max() / ref.abs().max()).item()
+                key = (dt, f"{path or 'table'}, MMA order")
+                worst[key] = max(worst.get(key, 0.0), err)
+                if not err < (1e-3 if dt == torch.float32 else 2e-2):
+                    raise AssertionError(f"fused MoE T={T} {dt} ({path or 'table'}, MMA order): rel err {err}")
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
             key = (dt, path)
             worst[key] = max(worst.get(key, 0.0), err)

@@ -13,7 +13,9 @@ and replayed, the kernel time alone as the captured denoising step pays it. Band
 ratio against 16-bit matmul come from graph times; NF4 (bitsandbytes) is timed eagerly only, and its
 ratio is eager against eager. "x tile" (M > 4): the GEMM with its weight tile unpacked to [BK, BN] (an
 int-to-float conversion and a shared-memory store per weight) over the nibble planes, both at the tuning
-table's config (the int4 column too, unless CLOVER_AUTOTUNE=1).
+table's config (the int4 column too, unless CLOVER_AUTOTUNE=1). "x mma": the weights as the modules hold
+them on a GPU, rearranged in the MMA order (kernels/mma_layout.py), against the checkpoint's GPTQ order of
+the int4 column (graph times; the MoE row times both the same way).
 
     python benchmarks/kernels.py                         # on a GPU: full table, JSON and PNG in benchmarks/out
     python benchmarks/kernels.py --smoke                 # tiny shapes; runs anywhere (CPU: Triton interpreter)
@@ -50,7 +52,7 @@ CLOVER_SHAPES = [
     ("shared down", 512, 2048),
     ("lm_head", 2048, 248320),
 ]
-SMOKE_SHAPES = [("tiny a", 64, 48), ("tiny b", 128, 64)]
+SMOKE_SHAPES = [("tiny a", 128, 48), ("tiny b", 128, 64)]  # K in blocks of 128: the MMA order's too
 MS = (1, 4, 16, 32, 64)
 
 
@@ -150,8 +152,17 @@ def int4_bytes(K: int, N: int, group: int) -> int:
     return K * N // 2 + (K // group) * N * 2 + (K // group) * (N // 8) * 4
 
 
+def mma_weights(w: dict):
+    """Int4Weights of random_int4's tensors rearranged in the MMA order this Triton's dot takes (a copy)."""
+    from clover_lite.kernels import mma_layout
+    from clover_lite.kernels.w4a16 import Int4Weights
+
+    order = mma_layout.kernel_order()
+    return Int4Weights(**{**w, "qweight": mma_layout.to_mma(w["qweight"], order)}, mma_order=order)
+
+
 def bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4: bool, on_row) -> None:
-    from clover_lite.kernels.w4a16 import Int4Weights, fill_split, gemm, gemm_config_for, w4a16_matmul
+    from clover_lite.kernels.w4a16 import Int4Weights, fill_split, gemm, gemm_config_for, gemv, w4a16_matmul
 
     bnb = None
     if with_nf4:
@@ -166,9 +177,12 @@ def bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4: bool, on_r
                 for _ in range(n_copies(K * N * torch.finfo(dtype).bits // 8, device))]
         nf4s = ([bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4") for w in w16s]
                 if bnb is not None else None)
+        mmas = [mma_weights(w) for w in w4s]
         for m in ms:
             x = torch.randn(m, K, device=device, dtype=dtype)
             e4, g4 = time_calls([lambda w=w, x=x: w4a16_matmul(x, **w) for w in w4s], device, reps)
+            run = gemv if m <= 4 else gemm  # as w4a16_matmul chooses
+            mma = kernel_time(time_calls([lambda w=w, x=x, run=run: run(x, w) for w in mmas], device, reps))
             unpacked = planes = None  # the GEMM's former [BK, BN] weight tile against its nibble planes (M > 4),
             if m > 4:  # both at the table's config (no autotuning): the same tiles, only the path differs
                 ws = [Int4Weights(**w) for w in w4s]
@@ -196,17 +210,19 @@ def bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4: bool, on_r
                 "speedup_vs_16bit": t16 / t4, "speedup_vs_nf4_eager": (enf4 / e4) if enf4 else None,
                 "unpacked_tile_s": unpacked, "planes_tile_s": planes,
                 "speedup_vs_unpacked_tile": (unpacked / planes) if unpacked else None,
+                "mma_s": mma, "speedup_mma_vs_gptq": t4 / mma,
             })
-        del w4s, w16s, nf4s
+        del w4s, w16s, nf4s, mmas
 
 
 def bench_moe(ms, device, dtype, group, reps, bw, on_row, hidden, inter, experts, top_k) -> None:
     from clover_lite.kernels.moe import fused_moe
     from clover_lite.kernels.w4a16 import Int4Weights
 
-    gate = Int4Weights(**random_int4(hidden, inter, group, device, experts))
-    up = Int4Weights(**random_int4(hidden, inter, group, device, experts))
-    down = Int4Weights(**random_int4(inter, hidden, group, device, experts))
+    parts = [random_int4(k, n, group, device, experts) for k, n in ((hidden, inter), (hidden, inter), (inter, hidden))]
+    gate, up, down = (Int4Weights(**p) for p in parts)
+    mmas = [mma_weights(p) for p in parts]
+    del parts
     per_expert = 2 * int4_bytes(hidden, inter, group) + int4_bytes(inter, hidden, group)
     for m in ms:
         x = torch.randn(m, hidden, device=device, dtype=dtype)
@@ -221,10 +237,13 @@ def bench_moe(ms, device, dtype, group, reps, bw, on_row, hidden, inter, experts
                  for w, ids in routings]
         e, g = time_calls(calls, device, reps)
         t = g or e
+        mma = kernel_time(time_calls([lambda w=w, ids=ids, x=x: fused_moe(x, w, ids, *mmas, validate=False)
+                                      for w, ids in routings], device, reps))
         b = touched * per_expert
         on_row({"M": m, "experts_touched": touched, "expected_touched": touched_per_call,
                      "routings": len(routings), "timing": "graph" if g else "eager", "moe_s": t, "moe_eager_s": e,
-                     "GBps": b / t / 1e9, "of_copy_bw": b / t / bw, "floor_s": b / bw})
+                     "GBps": b / t / 1e9, "of_copy_bw": b / t / bw, "floor_s": b / bw,
+                     "mma_s": mma, "speedup_mma_vs_gptq": t / mma})
 
 
 def print_dense_row(r: dict) -> None:
@@ -232,12 +251,13 @@ def print_dense_row(r: dict) -> None:
     tile = f"{r['speedup_vs_unpacked_tile']:.2f}" if r["speedup_vs_unpacked_tile"] else "-"
     print(f"{r['shape']:>15} {r['M']:>3} {r['int4_s'] * 1e6:>9.1f} {r['int4_eager_s'] * 1e6:>9.1f} "
           f"{r['int4_GBps']:>7.0f} {r['int4_of_copy_bw'] * 100:>5.0f} {r['int4_TFLOPs']:>8.2f} "
-          f"{r['speedup_vs_16bit']:>7.2f} {nf4:>6} {tile:>6}", flush=True)
+          f"{r['speedup_vs_16bit']:>7.2f} {nf4:>6} {tile:>6} {r['speedup_mma_vs_gptq']:>6.2f}", flush=True)
 
 
 def print_moe_row(r: dict) -> None:
     print(f"{r['M']:>6} {r['experts_touched']:>8.1f} {r['moe_s'] * 1e6:>9.1f} {r['moe_eager_s'] * 1e6:>9.1f} "
-          f"{r['GBps']:>7.0f} {r['of_copy_bw'] * 100:>5.0f} {r['floor_s'] * 1e6:>9.1f}", flush=True)
+          f"{r['GBps']:>7.0f} {r['of_copy_bw'] * 100:>5.0f} {r['floor_s'] * 1e6:>9.1f} "
+          f"{r['speedup_mma_vs_gptq']:>6.2f}", flush=True)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -279,7 +299,7 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype] if device.type == "cuda" else torch.float32
     smoke = args.smoke or device.type == "cpu"
     shapes, ms = (SMOKE_SHAPES, (1, 16)) if smoke else (CLOVER_SHAPES, MS)
-    group = 32 if smoke else args.group_size
+    group = 128 if smoke else args.group_size
     reps = 3 if smoke else args.reps
     bw = copy_bandwidth(device)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
@@ -300,11 +320,11 @@ def main(argv=None) -> int:
         return on_row
 
     print(f"{'shape':>15} {'M':>3} {'int4 us':>9} {'eager us':>9} {'GB/s':>7} {'%bw':>5} {'TFLOP/s':>8} "
-          f"{'x 16bit':>7} {'x nf4':>6} {'x tile':>6}", flush=True)
+          f"{'x 16bit':>7} {'x nf4':>6} {'x tile':>6} {'x mma':>6}", flush=True)
     bench_dense(shapes, ms, device, dtype, group, reps, bw, not args.no_nf4 and not smoke,
                 recorder("dense", print_dense_row))
-    print(f"{'MoE M':>6} {'touched':>8} {'us':>9} {'eager us':>9} {'GB/s':>7} {'%bw':>5} {'floor us':>9}")
-    moe_kw = dict(hidden=64, inter=32, experts=16, top_k=2) if smoke else dict(hidden=2048, inter=512, experts=256,
+    print(f"{'MoE M':>6} {'touched':>8} {'us':>9} {'eager us':>9} {'GB/s':>7} {'%bw':>5} {'floor us':>9} {'x mma':>6}")
+    moe_kw = dict(hidden=128, inter=128, experts=8, top_k=2) if smoke else dict(hidden=2048, inter=512, experts=256,
                                                                              top_k=8)
     bench_moe((4,) if smoke else (1, 16, 32, 64), device, dtype, group, reps, bw, recorder("moe", print_moe_row),
               **moe_kw)

@@ -9,6 +9,9 @@ a candidate's score is its time summed over one step's calls. Stages are swept s
 The fused MoE's GEMV (M = 32 tokens, top-8 of 256 experts) is swept the same way, each candidate's output
 checked against the table entry's. The table's entry is timed
 beside the winners; nothing is changed here: copy what wins into kernels/configs.py with the date and card.
+The weights are in the MMA order the modules rearrange them into on a GPU (kernels/mma_layout.py: K tiles of
+128 rows, no planes); `--order gptq` sweeps the checkpoint's order instead (w4a16_matmul's, and weights whose
+groups are not a multiple of 128 rows).
 
     python benchmarks/sweep.py --ms 32 16 64 --time-limit 300 --json benchmarks/out/sweep.json
     TRITON_INTERPRET=1 python benchmarks/sweep.py --smoke            # the code path on a CPU, tiny
@@ -67,9 +70,15 @@ def kernel_seconds(calls: list, device: torch.device, reps: int) -> float:
     return t if t is not None else kb.time_calls(calls, device, reps, graph=False)[0]
 
 
-def gemm_candidates(m: int, smoke: bool) -> list[tuple[configs.GemmConfig, bool]]:
+def gemm_candidates(m: int, smoke: bool, mma: bool = False) -> list[tuple[configs.GemmConfig, bool]]:
     """(config, planes) pairs at stages 3; split_k is the most the fill rule may use. With planes, also two
-    nibbles per AND-OR (GemmConfig.pairs)."""
+    nibbles per AND-OR (GemmConfig.pairs). `mma`: weights in the MMA order, whose K tile is always 128 rows
+    (configs.for_mma_order) and which have neither planes nor pairs: BLOCK_N, warps and split."""
+    if mma:
+        if smoke:
+            return [(configs.GemmConfig(16, bn, 128, sk, 4, 1), False) for bn, sk in ((32, 1), (64, 2))]
+        return [(configs.GemmConfig(m, bn, 128, split, warps, 3), False)
+                for bn in (64, 128, 256) for warps in (4, 8) for split in (1, 2, 4)]
     if smoke:
         return [(configs.GemmConfig(16, 32, 32, 1, 4, 1), False), (configs.GemmConfig(16, 64, 32, 2, 4, 1), False)]
     out = []
@@ -87,16 +96,17 @@ def fits(cfg: configs.GemmConfig, arch: str | None) -> bool:
     return arch is None or cfg.smem_bytes() <= configs.SMEM_LIMIT[arch]
 
 
-def time_gemm(shape, m, cfg, planes, device, dtype, reps, cache) -> float | None:
-    """Seconds per call (graph replay, rotated weights), or None if the config fails or is wrong."""
+def time_gemm(shape, m, cfg, planes, device, dtype, reps, cache, mma: bool = False) -> float | None:
+    """Seconds per call (graph replay, rotated weights), or None if the config fails or is wrong. `mma`: the
+    weights rearranged in the MMA order, as the modules hold them on a GPU."""
     name, K, N, _ = shape
     if (name, m) not in cache:
-        group = 32 if device.type == "cpu" else 128
+        group = 32 if device.type == "cpu" and not mma else 128
         ws = [kb.random_int4(K, N, group, device) for _ in range(kb.n_copies(kb.int4_bytes(K, N, group), device))]
         x = torch.randn(m, K, device=device, dtype=dtype)
         ref = w4a16_matmul_reference(x.float(), **ws[0])
         cache.clear()  # one shape's weights at a time
-        cache[(name, m)] = (x, [Int4Weights(**w) for w in ws], ref)
+        cache[(name, m)] = (x, [kb.mma_weights(w) if mma else Int4Weights(**w) for w in ws], ref)
     x, ws, ref = cache[(name, m)]
     c = fill_split(cfg, m, N, device)
     try:
@@ -111,12 +121,14 @@ def time_gemm(shape, m, cfg, planes, device, dtype, reps, cache) -> float | None
         return None
 
 
-def sweep_gemm(m, shapes, device, dtype, reps, deadline, smoke, arch) -> dict:
-    """Candidates scored on every shape; then stages 2 and 4 for the best three; the table's entry too.
-    Shapes are the outer loop (one shape's rotated weights in memory at a time)."""
+def sweep_gemm(m, shapes, device, dtype, reps, deadline, smoke, arch, mma: bool = False) -> dict:
+    """Candidates scored on every shape; then stages 2 and 4 for the best three; the table's entry too (as
+    the launcher runs it). Shapes are the outer loop (one shape's rotated weights in memory at a time)."""
     table = gemm_config_for(device, m)
     table_planes = table.block_k >= 128 and table.planes
-    cands = [(c, p) for c, p in gemm_candidates(m, smoke) if fits(c, arch)]
+    if mma:
+        table, table_planes = (configs.for_mma_order(table, arch) if arch else table), False
+    cands = [(c, p) for c, p in gemm_candidates(m, smoke, mma) if fits(c, arch)]
     if (table, table_planes) not in cands:
         cands.insert(0, (table, table_planes))
     cache: dict = {}
@@ -127,7 +139,7 @@ def sweep_gemm(m, shapes, device, dtype, reps, deadline, smoke, arch) -> dict:
             for i, (c, p) in enumerate(cands):
                 if deadline.left() < 0 or per[i] is None:
                     continue
-                t = time_gemm(shape, m, c, p, device, dtype, reps, cache)
+                t = time_gemm(shape, m, c, p, device, dtype, reps, cache, mma)
                 per[i] = None if t is None else {**per[i], shape[0]: t}
         out = []
         for i, (c, p) in enumerate(cands):
@@ -154,23 +166,26 @@ def sweep_gemm(m, shapes, device, dtype, reps, deadline, smoke, arch) -> dict:
             "results": results}
 
 
-def time_lm_head(m, entries, device, dtype, reps, deadline) -> list[dict]:
+def time_lm_head(m, entries, device, dtype, reps, deadline, mma: bool = False) -> list[dict]:
     cache: dict = {}
     out = []
     for cfg, planes in entries:
         if deadline.left() < 0:
             break
-        t = time_gemm(LM_HEAD, m, cfg, planes, device, dtype, reps, cache)
+        t = time_gemm(LM_HEAD, m, cfg, planes, device, dtype, reps, cache, mma)
         out.append({"config": asdict(cfg), "planes": planes, "s": t})
     return out
 
 
-def sweep_moe(m, device, dtype, reps, deadline, smoke, arch) -> dict:
-    """The fused MoE on a block of m tokens through its GEMV path (the captured step's), per GEMV config."""
+def sweep_moe(m, device, dtype, reps, deadline, smoke, arch, mma: bool = False) -> dict:
+    """The fused MoE on a block of m tokens through the captured step's path, per GEMV or expert-runs config.
+    `mma`: experts in the MMA order, as the modules hold them on a GPU."""
     from clover_lite.kernels.moe import fused_moe
 
     hidden, inter, E, k, group = (64, 32, 16, 2, 32) if smoke else (2048, 512, 256, 8, 128)
-    gate, up, down = (Int4Weights(**kb.random_int4(kk, n, group, device, E))
+    if mma:
+        hidden, inter, group = (128, 128, 128) if smoke else (hidden, inter, group)
+    gate, up, down = ((kb.mma_weights if mma else lambda w: Int4Weights(**w))(kb.random_int4(kk, n, group, device, E))
                       for kk, n in ((hidden, inter), (hidden, inter), (inter, hidden)))
     x = torch.randn(m, hidden, device=device, dtype=dtype)
     per_expert = 2 * kb.int4_bytes(hidden, inter, group) + kb.int4_bytes(inter, hidden, group)
@@ -298,8 +313,13 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--time-limit", type=float, default=300, help="seconds; what is done by then is reported")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--order", choices=("mma", "gptq"), default="mma",
+                    help="the weights' order: rearranged for the tensor cores as the modules hold them on a GPU "
+                         "(kernels/mma_layout.py), or the checkpoint's GPTQ order (w4a16_matmul's, and weights "
+                         "whose groups are not multiples of 128)")
     ap.add_argument("--json", default=str(HERE / "out" / "sweep.json"))
     args = ap.parse_args(argv)
+    mma = args.order == "mma"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     smoke = args.smoke or device.type == "cpu"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -308,7 +328,7 @@ def main(argv=None) -> int:
     shapes = SMOKE_SHAPES if smoke else STEP_SHAPES
     ms = [16] if smoke else args.ms
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
-    result = {"card": card, "arch": arch, "date": time.strftime("%Y-%m-%d"), "dtype": str(dtype),
+    result = {"card": card, "arch": arch, "date": time.strftime("%Y-%m-%d"), "dtype": str(dtype), "order": args.order,
               "shapes": shapes, "gemm": [], "lm_head": {}, "moe": None}
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -320,7 +340,7 @@ def main(argv=None) -> int:
 
     reps = 2 if smoke else args.reps
     if args.moe_only:
-        result["moe"] = sweep_moe(16 if smoke else 32, device, dtype, reps, deadline, smoke, arch)
+        result["moe"] = sweep_moe(16 if smoke else 32, device, dtype, reps, deadline, smoke, arch, mma)
         save()
         print_moe(result["moe"])
         print(f"\nsweep done, {args.time_limit - deadline.left():.0f} s; {path}")
@@ -329,7 +349,7 @@ def main(argv=None) -> int:
     for i, m in enumerate(ms):
         if deadline.left() < 0:
             break
-        r = sweep_gemm(m, shapes, device, dtype, reps, deadline, smoke, arch)
+        r = sweep_gemm(m, shapes, device, dtype, reps, deadline, smoke, arch, mma)
         result["gemm"].append(r)
         save()
         base = r["table_step_s"]
@@ -342,13 +362,13 @@ def main(argv=None) -> int:
             best_per = {s[0]: min(x["per_shape_s"][s[0]] for x in r["results"]) for s in shapes}
             print("  best per shape (us): " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in best_per.items()))
         if not args.no_moe and i == 0 and (smoke or m == 32):
-            result["moe"] = sweep_moe(m, device, dtype, reps, deadline, smoke, arch)
+            result["moe"] = sweep_moe(m, device, dtype, reps, deadline, smoke, arch, mma)
             save()
             print_moe(result["moe"])
         if not smoke and r["results"] and deadline.left() > 20:
             top = [(configs.GemmConfig(**x["config"]), x["planes"]) for x in r["results"][:3]]
             entry = (configs.GemmConfig(**r["table"]), r["table_planes"])
-            heads = time_lm_head(m, [entry] + [t for t in top if t != entry], device, dtype, reps, deadline)
+            heads = time_lm_head(m, [entry] + [t for t in top if t != entry], device, dtype, reps, deadline, mma)
             result["lm_head"][str(m)] = heads
             save()
             print("  lm_head 2048 -> 248320: " + "; ".join(

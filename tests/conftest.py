@@ -30,6 +30,18 @@ def tiny2_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny128_dir(tmp_path_factory):
+    """tiny2 at hidden size 128 (experts of 128, GDN values of 4 x 32): every linear's K a multiple of 128,
+    which the kernels' MMA order takes in groups of 128."""
+    from clover_lite.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt128") / "tiny128", seed=1234, num_hidden_layers=2,
+                                 layer_types=["linear_attention", "full_attention"], hidden_size=128,
+                                 moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                                 linear_value_head_dim=32)
+
+
+@pytest.fixture(scope="session")
 def tiny_engine(tiny_dir):
     import clover_lite
 

@@ -66,8 +66,11 @@ def test_kernel_benchmark_and_gpu_check_smoke(tmp_path, monkeypatch):
     assert main() == 0
     data = json.loads((tmp_path / "kernels.json").read_text())
     assert {r["M"] for r in data["dense"]} == {1, 16} and data["moe"][0]["experts_touched"] >= 1
-    # INT4 and 16-bit per row, the unpacked and planes GEMMs at the table's config for M > 4, and the MoE
-    assert len(captured) == 2 * len(data["dense"]) + 2 * sum(r["M"] > 4 for r in data["dense"]) + len(data["moe"])
+    # INT4, 16-bit and the MMA order per row, the unpacked and planes GEMMs at the table's config for M > 4, and
+    # the MoE in both orders
+    assert len(captured) == (3 * len(data["dense"]) + 2 * sum(r["M"] > 4 for r in data["dense"])
+                             + 2 * len(data["moe"]))
+    assert all(r["mma_s"] > 0 for r in data["dense"] + data["moe"])
     assert all((r["unpacked_tile_s"] is not None) == (r["M"] > 4) for r in data["dense"])
     assert all(r["weight_copies"] > 1 for r in data["dense"]) and data["moe"][0]["routings"] > 1  # rotated
     assert saved[0] == 0 and saved[-1] == len(data["dense"])  # the MoE timed with every dense row on disk
@@ -225,15 +228,24 @@ def test_kernels_compile_for_a_gpu_target():
     cmd = [sys.executable, str(BENCH / "compile_check.py"), "--archs", "sm_86", "--quick", "--as-run", "--only", *only]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok   sm_86") == 7  # M <= 16 gate/up: planes, pairs of planes, act-order
+    # M <= 16 gate/up: planes, pairs of planes, act-order, the MMA order; the GEMV in both orders
+    assert r.stdout.count("ok   sm_86") == 9
     lines = r.stdout.splitlines()
-    gemv = next(ln for ln in lines if "gemv moe gate/up" in ln)
-    loads, wide = map(int, re.search(r"(\d+) global loads \((\d+) of 16 bytes\)", gemv).groups())
-    assert wide >= 4 and loads <= 48, gemv  # words of gate and up; x's 8 planes, scales, zeros (not per element)
-    gemm = next(ln for ln in lines if "gemm M<=16 moe gate/up:" in ln)  # not the g_idx variant
-    for ln in (gemm, gemv):  # fused gate/up: 2 x 64 x 128 weights per tile, 128 threads, so 128 per thread
-        instructions, conversions = map(int, re.search(r"loop (\d+) SASS instructions, (\d+) conv", ln).groups())
-        assert conversions <= 8 and instructions < 8 * 128, ln
+
+    def loop(ln):
+        return tuple(map(int, re.search(r"loop (\d+) SASS instructions, (\d+) conv", ln).groups()))
+
+    for order in ("", " mma"):
+        gemv = next(ln for ln in lines if f"gemv moe gate/up{order}:" in ln)
+        loads, wide = map(int, re.search(r"(\d+) global loads \((\d+) of 16 bytes\)", gemv).groups())
+        assert wide >= 4 and loads <= 48, gemv  # words of gate and up; x's planes, scales, zeros (not per element)
+        gemm = next(ln for ln in lines if f"gemm M<=16 moe gate/up{order}:" in ln)  # not the g_idx variant
+        for ln in (gemm, gemv):  # fused gate/up: 2 x 64 x 128 weights per tile, 128 threads, so 128 per thread
+            assert loop(ln)[1] <= 8 and loop(ln)[0] < 8 * 128, ln
+    # The MMA order's point: its tile is the dot operand as built, fewer instructions than the nibble planes
+    # (sm_86, Triton 3.9: 394 against 616).
+    planes, mma = (next(ln for ln in lines if f"gemm M<=16 moe gate/up{o}:" in ln) for o in ("", " mma"))
+    assert loop(mma)[0] < 0.8 * loop(planes)[0], (planes, mma)
 
 
 def test_quality_benchmark_with_a_quantized_variant(tmp_path, capsys):

@@ -1,6 +1,8 @@
 """The INT4 Triton kernels, run by Triton's interpreter on CPU (TRITON_INTERPRET=1, set in conftest),
 against float64 references on fresh random inputs: ragged shapes, act-order, sym/asym, v1/v2."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -454,6 +456,11 @@ def test_every_tuning_config_fits_its_architecture():
             assert 128 % c.block_k == 0 and c.split_k >= 1, (arch, m, c)
             assert c.smem_bytes() <= configs.SMEM_LIMIT[arch], (arch, m, c, c.smem_bytes())
             assert all(a.smem_bytes() <= configs.SMEM_LIMIT[arch] for a in configs.autotune_configs(arch, m))
+            # Weights in the MMA order: 128-row K tiles, the table's stages.
+            assert configs.for_mma_order(c, arch) == replace(c, block_k=128), (arch, m, c)
+            for a in configs.autotune_configs(arch, m):
+                a = configs.for_mma_order(a, arch)
+                assert a.smem_bytes(fused=True) <= configs.SMEM_LIMIT[arch], (arch, m, a)
             for fused in (False, True):  # act-order g_idx: scales and zeros gathered per element
                 for a in configs.autotune_configs(arch, m):
                     g = configs.for_gathered_groups(a, arch, fused)

@@ -100,14 +100,17 @@ def test_static_step_equals_the_step_and_generation(tiny2_dir, tmp_path):
         eng.generate(prompt, max_new_tokens=100)
 
 
-@pytest.mark.parametrize("arch, runs", [("sm_90", False), ("sm_86", False), ("sm_90", True)])
-def test_kernels_at_a_gpus_table_configs_match_the_reference(tiny2_dir, tmp_path, monkeypatch, arch, runs):
+@pytest.mark.parametrize("arch, runs, hidden", [("sm_90", False, 64), ("sm_86", False, 64), ("sm_90", True, 64),
+                                                ("sm_90", True, 128)])
+def test_kernels_at_a_gpus_table_configs_match_the_reference(request, tmp_path, monkeypatch, arch, runs, hidden):
     """The interpreter otherwise runs one config per kernel; here every kernel takes what it would on the
     named GPU (tiles, split-K filling 132 SMs, the MoE GEMV's): a step of 4 tokens (GEMV paths) of the
     quantized model in fp32 over the cache of a 40-token prefill (GEMM, tiled MoE), against the torch path.
     `runs`: the step's MoE in expert runs at the sweep's 16 x 128 x 128 tile (configs.MOE_RUNS_TABLE).
+    Hidden size 128 in groups of 128: most linears and the experts in the MMA order, with its 128-row tiles.
     (Call 3's fp32 model check failed on an H200: this rules out the configs' logic, not the GPU's code.)"""
     from clover_lite.kernels import attention, configs, moe, w4a16
+    from clover_lite.models.quantized import QuantLinear
     from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
 
     took_runs = []
@@ -120,8 +123,12 @@ def test_kernels_at_a_gpus_table_configs_match_the_reference(tiny2_dir, tmp_path
         monkeypatch.setattr(module, "_arch", lambda device: arch)
     monkeypatch.setattr(w4a16, "_sm_count", lambda index: 132)
     monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
-    q = quantize_model(tiny2_dir, tmp_path / "q", QuantizeOptions(group_size=32, nsamples=4, seqlen=32)).out
+    src = request.getfixturevalue("tiny2_dir" if hidden == 64 else "tiny128_dir")
+    q = quantize_model(src, tmp_path / "q", QuantizeOptions(group_size=hidden // 2 if hidden == 64 else 128,
+                                                            nsamples=4, seqlen=32)).out
     ref, tri = _pair(q)
+    repacked = [m for m in tri.model.modules() if isinstance(m, QuantLinear) and m.mma_order]
+    assert bool(repacked) == (hidden == 128)
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 256, (1, 44), generator=gen)
     with torch.no_grad():

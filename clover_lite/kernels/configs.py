@@ -47,7 +47,8 @@ class GemmConfig:
         zeros are gathered per weight element and staged too, for up to two stages, for each weight set
         (two when gate and up are fused): 4 bytes per element, an upper bound on what the compiler
         allocated for sm_86 and sm_90 with run-time specialization (benchmarks/compile_check.py --as-run
-        measures every configuration)."""
+        measures every configuration). It also bounds what weights in the MMA order were allocated (whose
+        operand is built in registers, but whose fused gate/up and epilogue take about as much)."""
         per_stage = self.block_m * self.block_k * act_bytes + self.block_k * self.block_n // 2
         base = self.num_stages * per_stage + self.block_k * self.block_n * act_bytes
         if not gathered:
@@ -121,7 +122,8 @@ MOE_GEMV_TABLE: dict[str, GemvConfig] = {
 # one program per pair of a fixed grid, so each expert's weights are read once per run and the step's graph
 # needs no host sync. Compiled for sm_90 (benchmarks/compile_check.py --as-run) the fused gate/up's K loop
 # at 16 x 128 x 128, 4 warps, runs 3.8 instructions per weight whatever the run's rows (3.1 with pairs of
-# planes), where the GEMV runs 4.25 per weight and pair, 6.7 per expert at a 32-token block's 1.57 pairs.
+# planes; 2.3 with the experts in the MMA order, mma_layout.py), where the GEMV runs 4.25 per weight and pair,
+# 6.7 per expert at a 32-token block's 1.57 pairs (Triton 3.9; benchmarks/RESULTS.md has 3.6's).
 # Unmeasured on a GPU: no entry yet, so the MoE keeps the GEMV; benchmarks/sweep.py times the candidates.
 MOE_RUNS_TABLE: dict[str, GemmConfig] = {}
 # GEMV programs in flight per SM that the split aims at. Its loads are plain (not cp.async pipelined): a
@@ -159,6 +161,17 @@ def moe_runs_config(arch: str | None) -> GemmConfig | None:
 def gemm_config(arch: str, m: int) -> GemmConfig:
     table = GEMM_TABLE[arch]
     return next(table[b] for b in M_BUCKETS if m <= b)
+
+
+def for_mma_order(cfg: GemmConfig, arch: str) -> GemmConfig:
+    """The config for weights in the MMA order (kernels/mma_layout.py): K tiles of whole 128-row blocks, whose
+    words are contiguous and load 16 bytes at a time. Compiled for sm_86 and sm_90 (Triton 3.6 and 3.9) that
+    was fewer instructions per weight than 32- or 64-row tiles at every M bucket. Stages are dropped while the
+    wider tiles would not fit the shared memory (the tables' entries all fit: the test suite checks)."""
+    cfg = replace(cfg, block_k=128)
+    while cfg.num_stages > 1 and cfg.smem_bytes(fused=True) > SMEM_LIMIT[arch]:
+        cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+    return cfg
 
 
 def for_gathered_groups(cfg: GemmConfig, arch: str, fused: bool) -> GemmConfig:

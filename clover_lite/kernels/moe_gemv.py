@@ -23,19 +23,20 @@ from .w4a16 import (
     Int4Weights,
     _first_group,
     _gemv_plan,
+    _gemv_words,
     _group_params,
     _next_group,
     _nibble_planes,
-    _split_planes,
     _split_result,
+    _x_planes,
 )
 
 
 @triton.jit
-def _row_tile(x_row, offs_k, k_end, s_xk, BLOCK_K: tl.constexpr):
-    """One row's x tile [BK] as its 8 planes [BK/8] (plane J: columns 8i + J), fp32, and their sum."""
+def _row_tile(x_row, offs_k, k_end, s_xk, ORDER: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row's x tile [BK] as its 8 planes [BK/8] (w4a16._x_planes), fp32, and their sum."""
     xt = tl.load(x_row + offs_k * s_xk, mask=offs_k < k_end, other=0.0).to(tl.float32)
-    xp = _split_planes(tl.reshape(xt, (BLOCK_K // 8, 8)))
+    xp = _x_planes(xt, ORDER, BLOCK_K)
     return xp, xp[0] + xp[1] + xp[2] + xp[3] + xp[4] + xp[5] + xp[6] + xp[7]
 
 
@@ -48,7 +49,7 @@ def _grouped_gemv_kernel(
     s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_ROWS: tl.constexpr, FUSE_GATE_UP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, PARTIAL: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, MMA_ORDER: tl.constexpr = 0,
 ):
     """Two pairs of one expert: the ungrouped kernel's 2-D tiles and arithmetic, with each nibble plane
     (a LOP3 and an FADD per weight) made once and multiplied into both rows (an FFMA per weight and row).
@@ -68,7 +69,8 @@ def _grouped_gemv_kernel(
     if HAS_ROWS:
         row0 = tl.load(rows_ptr + p)
         row1 = tl.load(rows_ptr + p + 1, mask=two, other=0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_i = tl.arange(0, BLOCK_K // 8)
     acc0 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
@@ -80,15 +82,14 @@ def _grouped_gemv_kernel(
     opaque_zero = K >> 31  # see w4a16._nibble_planes
     g, g_end = _first_group(k_start, group_size)
     for k0 in range(k_start, k_end, BLOCK_K):
-        i_ok = k0 // 8 + offs_i < k_end // 8
-        w_mask = n_ok[None, :] if EVEN_K else i_ok[:, None] & n_ok[None, :]
-        w_offs = (k0 // 8 + offs_i)[:, None] * s_qk + offs_n[None, :] * s_qn
-        wq = _nibble_planes(tl.load(qw_ptr + e * s_qe + w_offs, mask=w_mask, other=0), opaque_zero)
+        wq = _nibble_planes(_gemv_words(qw_ptr, e, s_qe, s_qk, s_qn, k0, k_end, N, n0, offs_i, offs_n, n_ok, EVEN_K,
+                                        MMA_ORDER, BLOCK_K, BLOCK_N), opaque_zero)
         wq2 = wq
         if FUSE_GATE_UP:
-            wq2 = _nibble_planes(tl.load(qw2_ptr + e * s_qe + w_offs, mask=w_mask, other=0), opaque_zero)
+            wq2 = _nibble_planes(_gemv_words(qw2_ptr, e, s_qe, s_qk, s_qn, k0, k_end, N, n0, offs_i, offs_n, n_ok,
+                                             EVEN_K, MMA_ORDER, BLOCK_K, BLOCK_N), opaque_zero)
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        xp0, xr0 = _row_tile(x_ptr + row0 * s_xm, offs_k, k_end, s_xk, BLOCK_K)
+        xp0, xr0 = _row_tile(x_ptr + row0 * s_xm, offs_k, k_end, s_xk, MMA_ORDER, BLOCK_K)
         s, z = _group_params(sc_ptr, qz_ptr, e, g, offs_n, n_ok, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
         s2, z2 = s, z
         if FUSE_GATE_UP:
@@ -97,7 +98,7 @@ def _grouped_gemv_kernel(
         t0 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
         t0b = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
         if two:
-            xp1, xr1 = _row_tile(x_ptr + row1 * s_xm, offs_k, k_end, s_xk, BLOCK_K)
+            xp1, xr1 = _row_tile(x_ptr + row1 * s_xm, offs_k, k_end, s_xk, MMA_ORDER, BLOCK_K)
             t1 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
             t1b = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
             for J in tl.static_range(8):
@@ -171,6 +172,7 @@ def grouped_gemv(x: torch.Tensor, w: Int4Weights, expert: torch.Tensor, rank: to
         *w.strides()[:9],
         BLOCK_N=cfg.block_n, BLOCK_K=bk,
         HAS_ROWS=rows is not None, FUSE_GATE_UP=fused, HAS_ROW_SCALE=row_scale is not None,
-        PARTIAL=out.shape[0] > 1, EVEN_K=w.K % bk == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PARTIAL=out.shape[0] > 1, EVEN_K=w.K % bk == 0, MMA_ORDER=w.mma_order, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out if not sum_splits else _split_result(out, x, w, cdt, fused)

@@ -10,7 +10,9 @@ Both can fuse SiLU(gate) * up (two weight sets, two accumulators) and a per-row 
 When BLOCK_K stays inside one group (no act-order g_idx) the scale and zero apply once per tile:
 out += s * (x . q - z * sum(x)) (DESIGN section 7); with an act-order g_idx they are gathered per element
 (the modules avoid that: QuantLinear.prepare reorders desc_act rows by group once, and x's columns are
-gathered instead, see Int4Weights.perm).
+gathered instead, see Int4Weights.perm). Weights whose groups are whole 128-row blocks are then rearranged
+into the order of the tensor cores' operand registers (mma_layout.py, Int4Weights.mma_order): the GEMM builds
+its operand from 16-byte loads with no shuffles (_mma_tile_product), the GEMV reads the same words.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs
+from . import configs, mma_layout
 from .dispatch import interpreting
 from .host import cdiv
 
@@ -148,6 +150,104 @@ def _split_planes(x):
 
 
 @triton.jit
+def _mma_words(qw_ptr, e, s_qe, k0, N, n0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Words [BN, 4 t, BK/32 c] of rows k0 .. k0 + BK, columns n0 .. n0 + BN, of weights in the MMA order
+    (kernels/mma_layout.py): 16 bytes per column and 128 rows, the whole tile contiguous at BK = 128. Loaded
+    flat, with offsets the compiler sees as contiguous and aligned (16-byte copies; three-dimensional
+    offsets compiled to 4-byte ones for sm_90)."""
+    CB: tl.constexpr = BLOCK_K // 32
+    f = tl.arange(0, BLOCK_N * 4 * CB)
+    n = n0 + f // (4 * CB)
+    base = qw_ptr + e * s_qe + (k0 // 128) * N * 16
+    if CB == 4:
+        words = tl.load(base + n0 * 16 + f, mask=n < N, other=0)
+    else:  # the tile's 32-row slices c0 .. c0 + CB of each column's 4 x 4 words
+        c0 = ((k0 // BLOCK_K) % (4 // CB)) * CB
+        words = tl.load(base + n * 16 + (f % (4 * CB)) // CB * 4 + c0 + f % CB, mask=n < N, other=0)
+    return tl.reshape(words, (BLOCK_N, 4, CB))
+
+
+@triton.jit
+def _mma_operand(words, opaque_zero, dtype: tl.constexpr, ORDER: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """The dot operand [BK, BN] from words [BN, 4 t, BK/32 c] in the MMA order: exact fp32 integers q, or
+    16-bit floats B + q (B = 128 in bf16, 1024 in fp16) two per AND-OR: nibbles m and m + 4 under the masks
+    0x000F000F are rows r and r + 1 of one operand register. The joins build [BN, t, c, h, m0, m1] (m = m0
+    + 2 m1, nibble m + 4h) and the permute puts the rows in the order's sequence: laid out as the installed
+    Triton's dot takes them when ORDER is mma_layout.kernel_order()."""
+    if dtype == tl.float32:
+        p = _nibble_planes(words, opaque_zero)
+        q0, q1, q2, q3 = tl.join(p[0], p[4]), tl.join(p[1], p[5]), tl.join(p[2], p[6]), tl.join(p[3], p[7])
+    else:
+        b = (0x43004300 if dtype == tl.bfloat16 else 0x64006400) + opaque_zero
+        p0 = (words & 0x000F000F) | b
+        p1 = ((words >> 4) & 0x000F000F) | b
+        p2 = ((words >> 8) & 0x000F000F) | b
+        p3 = ((words >> 12) & 0x000F000F) | b
+        q0 = tl.join(p0.to(tl.int16), (p0 >> 16).to(tl.int16))
+        q1 = tl.join(p1.to(tl.int16), (p1 >> 16).to(tl.int16))
+        q2 = tl.join(p2.to(tl.int16), (p2 >> 16).to(tl.int16))
+        q3 = tl.join(p3.to(tl.int16), (p3 >> 16).to(tl.int16))
+    w = tl.join(tl.join(q0, q1), tl.join(q2, q3))  # [BN, t, c, h, m0, m1]
+    if ORDER == 2:  # row 32 c + 16 m1 + 8 m0 + 2 t + h
+        w = tl.permute(w, (2, 5, 4, 1, 3, 0))
+    else:  # row 32 c + 16 m1 + 4 t + 2 m0 + h
+        w = tl.permute(w, (2, 5, 1, 4, 3, 0))
+    w = tl.reshape(w, (BLOCK_K, BLOCK_N))
+    if dtype != tl.float32:
+        w = w.to(dtype, bitcast=True)
+    return w
+
+
+@triton.jit
+def _mma_tile_product(x, xsum, qw_ptr, sc_ptr, qz_ptr, e, n0, offs_n, n_ok, k0, g, N,
+                      s_qe, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset, opaque_zero,
+                      ORDER: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x [BM, BK] (natural column order) times the tile of weights in the MMA order, one group:
+    s * (x . q - z * sum(x)), with B folded into z for 16-bit operands."""
+    words = _mma_words(qw_ptr, e, s_qe, k0, N, n0, offs_n.shape[0], BLOCK_K)
+    w = _mma_operand(words, opaque_zero, x.dtype, ORDER, BLOCK_K, offs_n.shape[0])
+    if x.dtype == tl.float32:
+        xq = tl.dot(x, w, input_precision="ieee")
+    else:
+        xq = tl.dot(x, w)
+    s, z = _group_params(sc_ptr, qz_ptr, e, g, offs_n, n_ok, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
+    if x.dtype != tl.float32:
+        z += 128.0 if x.dtype == tl.bfloat16 else 1024.0
+    return s[None, :] * (xq - z[None, :] * xsum[:, None])
+
+
+@triton.jit
+def _x_planes(xt, ORDER: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x's tile [BK] as the 8 planes [BK/8] that multiply nibble J of the tile's words: columns 8i + J in
+    GPTQ's order (ORDER 0), else the rows nibble J holds in the MMA order, as (t, c) (see _gemv_words)."""
+    CB: tl.constexpr = BLOCK_K // 32
+    if ORDER == 2:  # row 32 c + 16 m1 + 8 m0 + 2 t + h -> [t, c, h, m1, m0]: J = m + 4h last
+        x8 = tl.permute(tl.reshape(xt, (CB, 2, 2, 4, 2)), (3, 0, 4, 1, 2))
+    elif ORDER == 4:  # row 32 c + 16 m1 + 4 t + 2 m0 + h
+        x8 = tl.permute(tl.reshape(xt, (CB, 2, 4, 2, 2)), (2, 0, 4, 1, 3))
+    else:
+        x8 = xt
+    return _split_planes(tl.reshape(x8, (BLOCK_K // 8, 8)))
+
+
+@triton.jit
+def _gemv_words(qw_ptr, e, s_qe, s_qk, s_qn, k0, k_end, N, n0, offs_i, offs_n, n_ok, EVEN_K: tl.constexpr,
+                ORDER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The GEMV's words [BK/8, BN] of rows k0 .. k0 + BK: GPTQ's rows (ORDER 0), or in the MMA order the
+    words (t, c) of each column, row t * BK/32 + c (the order _x_planes gives x's planes)."""
+    if ORDER != 0:
+        words = tl.trans(tl.reshape(_mma_words(qw_ptr, e, s_qe, k0, N, n0, BLOCK_N, BLOCK_K),
+                                    (BLOCK_N, BLOCK_K // 8)))
+    else:
+        i_ok = k0 // 8 + offs_i < k_end // 8
+        w_mask = n_ok[None, :] if EVEN_K else i_ok[:, None] & n_ok[None, :]  # EVEN_K: every tile is whole
+        words = tl.load(qw_ptr + e * s_qe + (k0 // 8 + offs_i)[:, None] * s_qk + offs_n[None, :] * s_qn,
+                        mask=w_mask, other=0)
+    return words
+
+
+@triton.jit
 def _plane_tile_product(xplanes, xsum, qw_ptr, sc_ptr, qz_ptr, e, offs_n, n_ok, k0, k_end, g,
                         s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset, opaque_zero,
                         DOT_IEEE: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr = False):
@@ -221,7 +321,7 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_ROWS: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_GIDX: tl.constexpr, FUSE_GATE_UP: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, DOT_IEEE: tl.constexpr, PLANES: tl.constexpr, PARTIAL: tl.constexpr,
-    PAIRS: tl.constexpr = False, EXPERT_RUNS: tl.constexpr = False,
+    PAIRS: tl.constexpr = False, EXPERT_RUNS: tl.constexpr = False, MMA_ORDER: tl.constexpr = 0,
 ):
     """EXPERT_RUNS: the M rows are (token, expert) pairs sorted by expert (moe_route.sort_pairs), and program
     p of axis 0 leads the run of up to BLOCK_M pairs of its expert that starts at pair p when p's rank among
@@ -239,7 +339,8 @@ def _gemm_kernel(
     else:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     if HAS_ROWS:  # gathered rows (MoE): -1 marks padding
         rows = tl.load(rows_ptr + offs_m, mask=m_ok, other=-1)
@@ -263,7 +364,14 @@ def _gemm_kernel(
         k_ok = offs_k < k_end
         x = tl.load(x_ptr + rows[:, None] * s_xm + offs_k[None, :] * s_xk,
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if PLANES:
+        if MMA_ORDER != 0:  # weights in the MMA order (mma_layout.py): x as it is, one tile a group
+            xsum = tl.sum(x.to(tl.float32), axis=1)
+            acc += _mma_tile_product(x, xsum, qw_ptr, sc_ptr, qz_ptr, e, n0, offs_n, n_ok, k0, g, N, s_qe, s_se, s_sg,
+                                     s_sn, s_ze, s_zg, s_zn, zero_offset, opaque_zero, MMA_ORDER, BLOCK_K)
+            if FUSE_GATE_UP:
+                acc2 += _mma_tile_product(x, xsum, qw2_ptr, sc2_ptr, qz2_ptr, e, n0, offs_n, n_ok, k0, g, N, s_qe, s_se,
+                                          s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset, opaque_zero, MMA_ORDER, BLOCK_K)
+        elif PLANES:
             if PAIRS:
                 xplanes = _split_pairs(x, BLOCK_M, BLOCK_K)  # pair J: columns k0 + 8i + J and k0 + 8i + J + 4
             else:
@@ -305,7 +413,7 @@ def _gemv_kernel(
     s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_ROWS: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_GIDX: tl.constexpr, FUSE_GATE_UP: tl.constexpr,
-    HAS_ROW_SCALE: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MMA_ORDER: tl.constexpr = 0,
 ):
     """One row times one column tile over one K split. The tile's packed words [BK/8, BN] are used as they
     were loaded: row 8i + J of the tile is nibble J of word row i, so x's tile, loaded whole (8 strided
@@ -323,7 +431,8 @@ def _gemv_kernel(
     e = 0
     if HAS_EXPERTS:
         e = tl.load(row_expert_ptr + p)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_i = tl.arange(0, BLOCK_K // 8)
     acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
@@ -336,12 +445,12 @@ def _gemv_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         i_ok = k0 // 8 + offs_i < k_end // 8
         w_mask = n_ok[None, :] if EVEN_K else i_ok[:, None] & n_ok[None, :]  # EVEN_K: every tile is whole
-        w_offs = (k0 // 8 + offs_i)[:, None] * s_qk + offs_n[None, :] * s_qn
-        words = tl.load(qw_ptr + e * s_qe + w_offs, mask=w_mask, other=0)
-        wq = _nibble_planes(words, opaque_zero)
+        wq = _nibble_planes(_gemv_words(qw_ptr, e, s_qe, s_qk, s_qn, k0, k_end, N, n0, offs_i, offs_n, n_ok, EVEN_K,
+                                        MMA_ORDER, BLOCK_K, BLOCK_N), opaque_zero)
         wq2 = wq
         if FUSE_GATE_UP:
-            wq2 = _nibble_planes(tl.load(qw2_ptr + e * s_qe + w_offs, mask=w_mask, other=0), opaque_zero)
+            wq2 = _nibble_planes(_gemv_words(qw2_ptr, e, s_qe, s_qk, s_qn, k0, k_end, N, n0, offs_i, offs_n, n_ok,
+                                             EVEN_K, MMA_ORDER, BLOCK_K, BLOCK_N), opaque_zero)
         t = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
         t2 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
         xr = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
@@ -350,7 +459,7 @@ def _gemv_kernel(
             xt = tl.load(x_row + offs_k8 * s_xk).to(tl.float32)
         else:
             xt = tl.load(x_row + offs_k8 * s_xk, mask=offs_k8 < k_end, other=0.0).to(tl.float32)
-        xplanes = _split_planes(tl.reshape(xt, (BLOCK_K // 8, 8)))
+        xplanes = _x_planes(xt, MMA_ORDER, BLOCK_K)
         for J in tl.static_range(8):
             xj = xplanes[J]
             if HAS_GIDX:  # scales and zeros per element
@@ -431,9 +540,10 @@ class Int4Weights:
     """GPTQ tensors of one linear ([K/8, N] ...) or a stack of experts ([E, K/8, N] ...), validated."""
 
     def __init__(self, qweight, scales, qzeros, group_size: int, g_idx=None, checkpoint_format: str = "gptq",
-                 perm=None):
+                 perm=None, mma_order: int = 0):
         """`perm` [.., K]: weights whose rows were reordered by group at load (quant.pack.sort_rows_by_group):
-        row k multiplies input column perm[k]. The kernels do not read it; callers gather x's columns first."""
+        row k multiplies input column perm[k]. The kernels do not read it; callers gather x's columns first.
+        `mma_order` 2 or 4: qweight's words are in that MMA order (mma_layout.py), contiguous; 0: GPTQ's."""
         if qweight.dim() == 2:
             qweight, scales, qzeros = qweight[None], scales[None], qzeros[None]
             g_idx = None if g_idx is None else g_idx[None]
@@ -466,6 +576,12 @@ class Int4Weights:
             # Tiles are powers of two >= 16 inside one group: groups of 8 or 40 rows are followed row by row,
             # as act-order groups are.
             g_idx = (torch.arange(K, device=qweight.device, dtype=torch.int32) // group_size).expand(E, K)
+        if mma_order and (mma_order not in mma_layout.ORDERS or not mma_layout.eligible(K, group_size, g_idx)
+                          or not qweight.is_contiguous()):
+            raise ValueError(f"weights in MMA order {mma_order} must be contiguous, without a g_idx, with K a multiple "
+                             f"of {mma_layout.BLOCK} and groups of a multiple of {mma_layout.BLOCK} rows (orders "
+                             f"{mma_layout.ORDERS}); got K = {K}, group size {group_size}")
+        self.mma_order = mma_order
         self.qweight, self.scales, self.qzeros = qweight, scales, qzeros
         self.g_idx = None if g_idx is None else g_idx.to(torch.int32)
         self.E, self.K, self.N, self.group_size = E, K, N, group_size
@@ -483,7 +599,10 @@ class Int4Weights:
 
 def _block_k(block_k: int, w: Int4Weights) -> int:
     """Without a g_idx a tile must not straddle two groups: the largest power of two up to block_k that
-    divides the group size (Int4Weights gives a group with none >= 16, say 8 or 40 rows, a g_idx)."""
+    divides the group size (Int4Weights gives a group with none >= 16, say 8 or 40 rows, a g_idx). In the MMA
+    order a tile is 1-4 of a 128-row block's 32-row slices (its groups are whole blocks)."""
+    if w.mma_order:
+        return min(max(block_k, 32), mma_layout.BLOCK)
     if w.g_idx is None and w.group_size < w.K:
         return min(block_k, w.group_size & -w.group_size)
     return block_k
@@ -512,12 +631,12 @@ def _check_pair(w: Int4Weights, w2: Int4Weights | None) -> None:
     """Fused gate/up: the kernel reads both weight sets with w's sizes, strides, group size and zero offset."""
     if w2 is None:
         return
-    mine = (w.E, w.K, w.N, w.group_size, w.zero_offset, w.g_idx is None, w.strides())
-    theirs = (w2.E, w2.K, w2.N, w2.group_size, w2.zero_offset, w2.g_idx is None, w2.strides())
+    mine = (w.E, w.K, w.N, w.group_size, w.zero_offset, w.g_idx is None, w.strides(), w.mma_order)
+    theirs = (w2.E, w2.K, w2.N, w2.group_size, w2.zero_offset, w2.g_idx is None, w2.strides(), w2.mma_order)
     if mine != theirs:
         raise ValueError("fused gate and up weights must share experts, K, N, group size, checkpoint format, "
-                         f"act-order and memory layout; got (E, K, N, group, zero offset, no g_idx, strides) {mine} "
-                         f"and {theirs}: quantize both projections with the same settings")
+                         "act-order and memory layout; got (E, K, N, group, zero offset, no g_idx, strides, "
+                         f"MMA order) {mine} and {theirs}: quantize both projections with the same settings")
 
 
 def _check_partials(sum_splits: bool, w2: Int4Weights | None) -> None:
@@ -615,6 +734,8 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
                            lambda c: gemm(x, w, w2, rows, tile_expert, row_scale, n_rows, config=c, planes=planes))
     if arch is not None and w.g_idx is not None:  # gathered scales and zeros: a narrower K tile must fit
         cfg = configs.for_gathered_groups(cfg, arch, fused=w2 is not None)
+    if arch is not None and w.mma_order:
+        cfg = configs.for_mma_order(cfg, arch)
     bk = _block_k(cfg.block_k, w)
     k_per, split = _k_splits(w.K, cfg.split_k, bk)
     use_planes = w.g_idx is None and bk >= 128 and (cfg.planes if planes is None else planes)
@@ -635,7 +756,7 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         HAS_ROWS=rows is not None, HAS_EXPERTS=tile_expert is not None, HAS_GIDX=w.g_idx is not None,
         FUSE_GATE_UP=w2 is not None, HAS_ROW_SCALE=row_scale is not None, DOT_IEEE=cdt == torch.float32,
         PLANES=use_planes, PARTIAL=split > 1, PAIRS=use_planes and cfg.pairs and cdt != torch.float32,
-        EXPERT_RUNS=runs is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EXPERT_RUNS=runs is not None, MMA_ORDER=w.mma_order, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out if not sum_splits else _split_result(out, x, w, cdt, fused)
 
@@ -666,7 +787,7 @@ def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         BLOCK_N=cfg.block_n, BLOCK_K=bk,
         HAS_ROWS=rows is not None, HAS_EXPERTS=row_expert is not None, HAS_GIDX=w.g_idx is not None,
         FUSE_GATE_UP=fused, HAS_ROW_SCALE=row_scale is not None, PARTIAL=out.shape[0] > 1, EVEN_K=w.K % bk == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        MMA_ORDER=w.mma_order, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out if not sum_splits else _split_result(out, x, w, cdt, fused)
 

@@ -49,12 +49,17 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(*lead, out_features)) if bias else None
 
     backend = "torch"  # "triton" once kernels.apply chose it at load time
+    mma_order = 0  # set by prepare() when qweight's words were rearranged for the tensor cores (mma_layout.py)
 
     def weight_of(self, index: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dequantized W [out, in] (of stack entry `index` for stacked experts)."""
         t = (self.qweight, self.qzeros, self.scales, self.g_idx)
         if index is not None:
             t = tuple(x[index] for x in t)
+        if self.mma_order:
+            from ..kernels.mma_layout import from_mma
+
+            t = (from_mma(t[0], self.mma_order), *t[1:])
         w = dequantize(*t, checkpoint_format=self.checkpoint_format, dtype=dtype)
         if self.k_perm is not None:  # repacked rows: put each column back at its input position
             perm = self.k_perm if index is None else self.k_perm[index]
@@ -73,7 +78,7 @@ class QuantLinear(nn.Module):
         K, G = self.in_features, self.groups
         g_idx = None if bool((self.g_idx == self._plain_groups()).all()) else self.g_idx
         return Int4Weights(self.qweight, self.scales, self.qzeros, K // G, g_idx, self.checkpoint_format,
-                           perm=self.k_perm)
+                           perm=self.k_perm, mma_order=self.mma_order)
 
     def prepare(self) -> None:
         """Called when the Triton backend is chosen: the kernels' view of the weights, cached (the g_idx
@@ -81,7 +86,12 @@ class QuantLinear(nn.Module):
         are only reordered (every group exactly group_size rows, as GPTQ's desc_act writes them) are
         repacked in place once so that each group's rows are contiguous: the kernels then take their
         per-tile path and the input's columns are gathered instead (M x K values, where the per-element
-        path gathers K x N scales and zeros and needs several times the shared memory)."""
+        path gathers K x N scales and zeros and needs several times the shared memory). Then, where the
+        groups allow it, the words are rearranged in place into the order of the tensor cores' operand
+        registers (kernels/mma_layout.py); weight_of reads them back. Neither is saved: the buffers are in
+        the kernels' order (k_perm and mma_order live on the module only)."""
+        from ..kernels import mma_layout
+
         plain = self._plain_groups()
         if self.k_perm is None and not bool((self.g_idx == plain).all()):
             repacked = sort_rows_by_group(self.qweight, self.g_idx, self.in_features // self.groups)
@@ -89,6 +99,11 @@ class QuantLinear(nn.Module):
                 self.qweight.copy_(repacked[0])
                 self.g_idx.copy_(plain.expand_as(self.g_idx))
                 self.k_perm = repacked[1]
+        if not self.mma_order and mma_layout.eligible(self.in_features, self.in_features // self.groups, None) \
+                and bool((self.g_idx == plain).all()):
+            order = mma_layout.kernel_order()
+            mma_layout.repack_(self.qweight, order)
+            self.mma_order = order
         self._int4 = self.int4()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,126 @@
+"""INT4 weights in the MMA order (kernels/mma_layout.py): the rearrangement against a hand-worked case and an
+independent unpacking, and every INT4 kernel taking such weights against float64, under the interpreter."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from clover_lite.kernels import configs, dispatch, mma_layout  # noqa: E402
+from clover_lite.kernels.moe import fused_moe  # noqa: E402
+from clover_lite.kernels.w4a16 import Int4Weights, gemm, gemv  # noqa: E402
+from clover_lite.models.moe import dispatch as moe_reference  # noqa: E402
+from clover_lite.quant.pack import unpack_qweight  # noqa: E402
+
+from .test_kernels_int4 import GEN, _quant_linear, random_int4  # noqa: E402
+
+
+def test_rows_hand_worked():
+    """Nibble J = m + 4h of word (t, c): order 2 row 32c + 8m + 2t + h, order 4 row 32c + 16(m//2) + 4t +
+    2(m%2) + h; each a permutation of a block's 128 rows."""
+    for order in mma_layout.ORDERS:
+        assert sorted(mma_layout.rows(order).flatten().tolist()) == list(range(128))
+    assert mma_layout.rows(2)[1, 2, 5] == 64 + 8 + 2 + 1  # t=1, c=2, m=1, h=1
+    assert mma_layout.rows(4)[1, 2, 6] == 64 + 16 + 4 + 0 + 1  # t=1, c=2, m=2, h=1
+    assert mma_layout.rows(4)[3, 0, 1] == 12 + 2  # t=3, c=0, m=1, h=0
+    with pytest.raises(ValueError, match="order"):
+        mma_layout.rows(3)
+
+
+@pytest.mark.parametrize("order", mma_layout.ORDERS)
+def test_repack_places_every_nibble_and_round_trips(order, monkeypatch):
+    """Word ((b N + n) 4 + t) 4 + c, nibble J, holds row 128 b + rows[t, c, J] of column n; a stack of two,
+    converted in pieces (a block, 16 columns: a ragged last piece), in place, and back."""
+    monkeypatch.setattr(mma_layout, "PIECE", 128 * 16)  # pieces of one block and 16 of its 40 columns
+    t, _ = random_int4(384, 40, 128, stack=2)
+    qw = t["qweight"]
+    packed = mma_layout.to_mma(qw, order)
+    assert packed.shape == qw.shape and not torch.equal(packed, qw)
+    rows = mma_layout.rows(order)
+    for e in range(2):
+        q = unpack_qweight(qw[e])  # [K, N]
+        flat = packed[e].reshape(-1)
+        for _ in range(200):
+            b, n, tt, c, J = (int(torch.randint(0, hi, (), generator=GEN)) for hi in (3, 40, 4, 4, 8))
+            word = int(flat[((b * 40 + n) * 4 + tt) * 4 + c])
+            assert (word >> (4 * J)) & 15 == q[128 * b + rows[tt, c, J], n]
+    assert torch.equal(mma_layout.from_mma(packed, order), qw)
+    inplace = qw.clone()
+    mma_layout.repack_(inplace, order)
+    assert torch.equal(inplace, packed)
+
+
+def test_eligibility_and_errors():
+    assert mma_layout.eligible(256, 128, None) and mma_layout.eligible(256, 256, None)
+    assert not mma_layout.eligible(256, 64, None) and not mma_layout.eligible(192, 192, None)
+    assert not mma_layout.eligible(256, 128, torch.zeros(256))
+    t, _ = random_int4(256, 16, 64)
+    with pytest.raises(ValueError, match="MMA order"):
+        Int4Weights(**t, mma_order=2)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mma_layout.to_mma(t["qweight"][:8], 2)
+
+
+@pytest.mark.parametrize("order", mma_layout.ORDERS)
+@pytest.mark.parametrize("variant", ["sym-v1-g128", "asym-v2-g256", "asym-v1-perchannel"])
+def test_gemm_and_gemv_take_the_mma_order(order, variant):
+    """The GEMM (K tiles of 32, 64 and 128 rows: slices of a block and whole blocks, split-K) and the GEMV,
+    fp32 and fp16, ragged M and N, against float64."""
+    fmt = "gptq_v2" if "v2" in variant else "gptq"
+    group = -1 if "perchannel" in variant else int(variant.split("-g")[1])
+    t, w = random_int4(256, 72, group, fmt, sym=variant.startswith("sym"))
+    W = Int4Weights(**{**t, "qweight": mma_layout.to_mma(t["qweight"], order)}, mma_order=order)
+    for dtype in (torch.float32, torch.float16):
+        tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+        for M in (1, 3, 17):
+            x = torch.randn(M, 256, generator=GEN).to(dtype)
+            ref = x.double() @ w.t()
+            torch.testing.assert_close(gemv(x, W).double(), ref, **tol)
+            for bk, split in ((32, 1), (64, 2), (128, 2)):
+                cfg = configs.GemmConfig(16, 64, bk, split, 4, 1)
+                torch.testing.assert_close(gemm(x, W, config=cfg).double(), ref, **tol)
+
+
+@pytest.mark.parametrize("order", mma_layout.ORDERS)
+@pytest.mark.parametrize("path", ["gemv", "grouped", "runs", "padded"])
+def test_fused_moe_takes_the_mma_order(monkeypatch, order, path):
+    """Experts in the MMA order on each MoE path (gate/up K = 128: one block; down K = 256: two), fp32."""
+    monkeypatch.setattr(configs, "INTERPRET_MOE_GEMV", configs.GemvConfig(64, 64, 4, 1, split_k=2,
+                                                                          rows=2 if path == "grouped" else 1))
+    if path == "runs":
+        monkeypatch.setattr(configs, "INTERPRET_MOE_RUNS", configs.GemmConfig(16, 64, 128, 2, 4, 1))
+    E, k, T, hidden, inter = 4, 2, (24 if path == "padded" else 5), 128, 256
+    parts = [random_int4(hidden, inter, 128, stack=E), random_int4(hidden, inter, 128, sym=False, stack=E),
+             random_int4(inter, hidden, 128, sym=False, stack=E)]
+    ws = [Int4Weights(**{**t, "qweight": mma_layout.to_mma(t["qweight"], order)}, mma_order=order) for t, _ in parts]
+    x = torch.randn(T, hidden, generator=GEN)
+    weights, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=GEN), -1), k)
+
+    def expert(e, h):
+        g, u = h.double() @ parts[0][1][e].t(), h.double() @ parts[1][1][e].t()
+        return (torch.nn.functional.silu(g) * u) @ parts[2][1][e].t()
+
+    ref = moe_reference(x.double(), weights.double(), ids, E, expert)
+    out = fused_moe(x, weights, ids, *ws, gemv_max_rows=0 if path == "padded" else 1 << 20)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_quant_linear_prepare_repacks_eligible_weights():
+    """prepare() rearranges eligible weights in place (once), the reference path reads them back, the kernel
+    path takes them; act-order weights repacked by group first; ineligible ones (groups of 64) stay GPTQ."""
+    g_idx = torch.arange(256) % 2  # act-order: the two groups of 128 rows interleaved
+    cases = [(random_int4(256, 40, 128), True), (random_int4(256, 40, 128, act_order=True,
+                                                              g_idx=g_idx[None].int()), True),
+             (random_int4(256, 40, 64), False)]
+    for (t, w), repacked in cases:
+        lin = _quant_linear(t, 256, 40, t["group_size"])
+        before = lin.weight_of(dtype=torch.float64)
+        torch.testing.assert_close(before, w)
+        dispatch.apply(lin, "triton")
+        assert (lin.mma_order == mma_layout.kernel_order()) == repacked and lin._int4.mma_order == lin.mma_order
+        words = lin.qweight.clone()
+        lin.prepare()  # a second prepare leaves the words as they are
+        assert torch.equal(lin.qweight, words)
+        torch.testing.assert_close(lin.weight_of(dtype=torch.float64), w)
+        x = torch.randn(5, 256, generator=GEN)
+        torch.testing.assert_close(lin(x).double(), x.double() @ w.t(), atol=1e-4, rtol=1e-4)
