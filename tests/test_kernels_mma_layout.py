@@ -70,13 +70,13 @@ def test_gemm_and_gemv_take_the_mma_order(order, variant):
     group = -1 if "perchannel" in variant else int(variant.split("-g")[1])
     t, w = random_int4(256, 72, group, fmt, sym=variant.startswith("sym"))
     W = Int4Weights(**{**t, "qweight": mma_layout.to_mma(t["qweight"], order)}, mma_order=order)
-    for dtype in (torch.float32, torch.float16):
+    for dtype, tiles in ((torch.float32, ((32, 1), (128, 2))), (torch.float16, ((64, 2), (128, 1)))):
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-        for M in (1, 3, 17):
+        for M in (1, 17):
             x = torch.randn(M, 256, generator=GEN).to(dtype)
             ref = x.double() @ w.t()
             torch.testing.assert_close(gemv(x, W).double(), ref, **tol)
-            for bk, split in ((32, 1), (64, 2), (128, 2)):
+            for bk, split in tiles:
                 cfg = configs.GemmConfig(16, 64, bk, split, 4, 1)
                 torch.testing.assert_close(gemm(x, W, config=cfg).double(), ref, **tol)
 
