@@ -88,7 +88,8 @@ def check_w4a16(device, gen, smoke) -> str:
                     if not err < (1e-4 if dt == torch.float32 else 2e-2):
                         raise AssertionError(f"w4a16 pairs K={K} N={N} M={m} {dt}: rel err {err}")
                 # The modules' weights: rearranged in the MMA order (this Triton's first, then the other).
-                for order in mma_orders if mma_layout.eligible(K, G, w["g_idx"]) else ():
+                checked = mma_layout.eligible(K, G, w["g_idx"]) and (not smoke or m in (3, 33))
+                for order in mma_orders if checked else ():
                     run = gemv if m <= 4 else gemm
                     err = ((run(x, mma[order]).float() - ref).abs().max() / ref.abs().max()).item()
                     worst_mma = max(worst_mma, err)
