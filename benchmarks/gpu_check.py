@@ -70,8 +70,8 @@ def check_w4a16(device, gen, smoke) -> str:
     for K, N, G in shapes + ([] if device.type == "cpu" else [(64, 64, 32), (64, 256, 32)]):
         for act_order, fmt in ((False, "gptq"), (True, "gptq_v2")):
             w = _int4(K, N, G, device, gen, act_order=act_order, fmt=fmt)  # packed on the CPU: once per shape
-            mma = {o: Int4Weights(**{**w, "qweight": mma_layout.to_mma(w["qweight"], o)}, mma_order=o)
-                   for o in mma_orders} if mma_layout.eligible(K, G, w["g_idx"]) else {}
+            eligible = mma_layout.eligible(K, G, w["g_idx"])
+            mma = {o: Int4Weights(**w).in_mma_order(o) for o in mma_orders} if eligible else {}
             for m, dt in cases:
                 x = torch.randn(m, K, generator=gen).to(device, dt)
                 out = torch.full((m, N), float("nan"), device=device, dtype=dt)
@@ -88,7 +88,7 @@ def check_w4a16(device, gen, smoke) -> str:
                     if not err < (1e-4 if dt == torch.float32 else 2e-2):
                         raise AssertionError(f"w4a16 pairs K={K} N={N} M={m} {dt}: rel err {err}")
                 # The modules' weights: rearranged in the MMA order (this Triton's first, then the other).
-                checked = mma_layout.eligible(K, G, w["g_idx"]) and (not smoke or m in (3, 33))
+                checked = eligible and (not smoke or m in (3, 33))
                 for order in mma_orders if checked else ():
                     run = gemv if m <= 4 else gemm
                     err = ((run(x, mma[order]).float() - ref).abs().max() / ref.abs().max()).item()
@@ -117,8 +117,7 @@ def check_moe(device, gen, smoke) -> str:
     from clover_lite.kernels import mma_layout
 
     order = mma_layout.kernel_order()
-    mma = [Int4Weights(**{**ws[p], "qweight": mma_layout.to_mma(ws[p]["qweight"], order)}, mma_order=order)
-           for p in ("gate", "up", "down")] if all(
+    mma = [Int4Weights(**ws[p]).in_mma_order(order) for p in ("gate", "up", "down")] if all(
         mma_layout.eligible(ws[p]["qweight"].shape[1] * 8, ws[p]["group_size"], None) for p in ws) else None
 
     worst = {}

@@ -157,8 +157,7 @@ def mma_weights(w: dict):
     from clover_lite.kernels import mma_layout
     from clover_lite.kernels.w4a16 import Int4Weights
 
-    order = mma_layout.kernel_order()
-    return Int4Weights(**{**w, "qweight": mma_layout.to_mma(w["qweight"], order)}, mma_order=order)
+    return Int4Weights(**w).in_mma_order(mma_layout.kernel_order())
 
 
 def bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4: bool, on_row) -> None:

@@ -69,7 +69,7 @@ def test_gemm_and_gemv_take_the_mma_order(order, variant):
     fmt = "gptq_v2" if "v2" in variant else "gptq"
     group = -1 if "perchannel" in variant else int(variant.split("-g")[1])
     t, w = random_int4(256, 72, group, fmt, sym=variant.startswith("sym"))
-    W = Int4Weights(**{**t, "qweight": mma_layout.to_mma(t["qweight"], order)}, mma_order=order)
+    W = Int4Weights(**t).in_mma_order(order)
     for dtype, tiles in ((torch.float32, ((32, 1), (128, 2))), (torch.float16, ((64, 2), (128, 1)))):
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
         for M in (1, 17):
@@ -92,7 +92,7 @@ def test_fused_moe_takes_the_mma_order(monkeypatch, order, path):
     E, k, T, hidden, inter = 4, 2, (24 if path == "padded" else 5), 128, 256
     parts = [random_int4(hidden, inter, 128, stack=E), random_int4(hidden, inter, 128, sym=False, stack=E),
              random_int4(inter, hidden, 128, sym=False, stack=E)]
-    ws = [Int4Weights(**{**t, "qweight": mma_layout.to_mma(t["qweight"], order)}, mma_order=order) for t, _ in parts]
+    ws = [Int4Weights(**t).in_mma_order(order) for t, _ in parts]
     x = torch.randn(T, hidden, generator=GEN)
     weights, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=GEN), -1), k)
 

@@ -588,6 +588,11 @@ class Int4Weights:
         self.perm = perm
         self.zero_offset = 1 if checkpoint_format == "gptq" else 0
 
+    def in_mma_order(self, order: int) -> Int4Weights:
+        """These weights with a copy of the words rearranged in `order` (mma_layout.py)."""
+        return Int4Weights(mma_layout.to_mma(self.qweight, order), self.scales, self.qzeros, self.group_size,
+                           self.g_idx, "gptq" if self.zero_offset else "gptq_v2", self.perm, mma_order=order)
+
     def args(self):
         gi = self.g_idx if self.g_idx is not None else self.qweight  # any pointer; unused without g_idx
         return self.qweight, self.scales, self.qzeros, gi
