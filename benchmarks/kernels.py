@@ -57,8 +57,9 @@ MS = (1, 4, 16, 32, 64)
 
 
 def timer(fn, device: torch.device, reps: int) -> float:
-    """Median seconds of fn() over reps runs after warm-up (CUDA events on a GPU)."""
-    for _ in range(max(2, reps // 10)):
+    """Median seconds of fn() over reps runs after warm-up (CUDA events on a GPU; on the CPU, where the
+    interpreter's times mean nothing, no warm-up)."""
+    for _ in range(max(2, reps // 10) if device.type == "cuda" else 0):
         fn()
     times = []
     if device.type == "cuda":
@@ -299,7 +300,7 @@ def main(argv=None) -> int:
     smoke = args.smoke or device.type == "cpu"
     shapes, ms = (SMOKE_SHAPES, (1, 16)) if smoke else (CLOVER_SHAPES, MS)
     group = 128 if smoke else args.group_size
-    reps = 3 if smoke else args.reps
+    reps = 1 if device.type == "cpu" else 3 if smoke else args.reps  # CPU: each kernel runs, its time means nothing
     bw = copy_bandwidth(device)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
     print(f"{card}: copy bandwidth {bw / 1e9:.0f} GB/s, L2 {l2_bytes(device) / 2**20:.1f} MiB, {dtype}, "

@@ -202,6 +202,7 @@ def evaluate(
     n_task: int = 100,
     thresholds: Sequence[float] = THRESHOLDS,
     progress: Callable[[str], None] | None = None,
+    max_new_tokens: int = 40,
 ) -> dict:
     """All measurements of one loaded model on `heldout_data` of its tokenizer."""
     say = progress or (lambda msg: None)
@@ -217,7 +218,7 @@ def evaluate(
             result["nll"][f"{name}@{r:g}"] = masked_nll(engine, windows, r, unigram, maskable)
     for label, decoding in decode_settings(engine.config.block_size, thresholds):
         say(f"tasks, {label}")
-        result["decoding"][label] = task_accuracy(engine, n_task, decoding)
+        result["decoding"][label] = task_accuracy(engine, n_task, decoding, max_new_tokens)
     return result
 
 
@@ -275,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--n-task", type=int, default=100, help="held-out instances per task")
     p.add_argument("--n-windows", type=int, default=32, help=f"held-out windows of {WINDOW} tokens per NLL set")
     p.add_argument("--thresholds", type=float, nargs="+", default=list(THRESHOLDS))
+    p.add_argument("--max-new-tokens", type=int, default=40, help="reply length cap for the task accuracy")
     p.add_argument("--quant", nargs="*", default=[], choices=["rtn", "gptq", "nf4"],
                    help="also evaluate these 4-bit versions of the first model")
     p.add_argument("--group-size", type=int, default=64, help="quantization group size (--quant)")
@@ -302,7 +304,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 data[source] = heldout_data(engine, args.n_windows)
             results[name] = evaluate(engine, data[source], args.n_task, args.thresholds,
                                      progress=lambda msg, name=name: print(f"[{name}] {msg}", file=sys.stderr,
-                                                                           flush=True))
+                                                                           flush=True),
+                                     max_new_tokens=args.max_new_tokens)
     print(table(results))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -245,8 +245,9 @@ def kernel_profile(fn, device: torch.device) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     gpu = device.type == "cuda"
-    fn()
-    sync(device)
+    if gpu:  # a warm-up (compilation, autotuning); the interpreter has nothing to warm
+        fn()
+        sync(device)
     with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
         fn()
         sync(device)

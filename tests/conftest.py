@@ -48,6 +48,18 @@ def tiny_engine(tiny_dir):
     return clover_lite.load(tiny_dir, device="cpu")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _interpreter_patches_once():
+    """The interpreter without its repeated re-patching of triton.language (tests/interpreter_speed.py)."""
+    try:
+        from .interpreter_speed import faster_interpreter
+    except ImportError:  # no triton: nothing is interpreted
+        yield
+        return
+    with faster_interpreter():
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _kernels_memcheck():
     """In every test, every interpreted Triton kernel must stay inside the tensors it was given and its

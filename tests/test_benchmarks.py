@@ -257,7 +257,8 @@ def test_quality_benchmark_with_a_quantized_variant(tmp_path, capsys):
     out = tmp_path / "quality.json"
     mod = runpy.run_path(str(BENCH / "quality.py"), run_name="bench")
     mod["main"](["--models", str(tiny), "--quant", "rtn", "--group-size", "32", "--nsamples", "4",
-                 "--n-task", "1", "--n-windows", "2", "--thresholds", "0.9", "--out", str(out)])
+                 "--n-task", "1", "--n-windows", "2", "--thresholds", "0.9", "--max-new-tokens", "8",
+                 "--out", str(out)])
     data = json.loads(out.read_text())
     (name16, r16), (name4, r4) = data.items()
     assert name4 == f"{tiny} rtn g32" and r4["weights_mb"] < r16["weights_mb"] / 2
