@@ -38,8 +38,15 @@ mkdir -p "$out" benchmarks/out
 {
     date -u
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem --format=csv
-    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-    python3 -c "import bitsandbytes; print('bitsandbytes', bitsandbytes.__version__)" 2>&1 | tail -1
+    # One interpreter for both (each start imports torch: seconds of device time).
+    python3 -c "
+import torch, triton
+print('torch', torch.__version__, 'triton', triton.__version__)
+try:
+    import bitsandbytes
+    print('bitsandbytes', bitsandbytes.__version__)
+except Exception as e:
+    print('bitsandbytes not importable:', type(e).__name__, e)" 2>&1
 } 2>&1 | tee "$out/machine.txt"
 timeout 550 python3 benchmarks/gpu_check.py --time-limit 530 "$@" 2>&1 | tee "$out/gpu_check.log"
 rc=${PIPESTATUS[0]}
