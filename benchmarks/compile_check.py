@@ -160,7 +160,7 @@ def cases(arch: str, quick: bool):
                 g = configs.for_gathered_groups(c, arch, fused) if gidx else c  # as the launcher adjusts it
                 consts = dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_GIDX=gidx, DOT_IEEE=False,
                               PLANES=not gidx and g.block_k >= 128 and g.planes, PARTIAL=g.split_k > 1 and not fused,
-                              PAIRS=False, EXPERT_RUNS=False, MMA_ORDER=0, **flags)
+                              PAIRS=False, EXPERT_RUNS=False, MMA_ORDER=0, MMA_SWAP=False, **flags)
                 # (as the launcher sets it: the MoE's gate/up has no split)
                 out = "*fp32" if g.split_k > 1 and not fused else act
                 yield (f"w4a16 gemm M<={m} {label}{' g_idx' if gidx else ''}", w4_k._gemm_kernel,
@@ -174,6 +174,11 @@ def cases(arch: str, quick: bool):
                     yield (f"w4a16 gemm M<={m} {label} mma", w4_k._gemm_kernel, int4_pointers(act, out),
                            dict(consts, BLOCK_K=mg.block_k, PLANES=False, MMA_ORDER=mma_layout.kernel_order()),
                            mg.num_warps, mg.num_stages, mg.smem_bytes(fused=fused))
+                    # ... and with swapped operands (W^T x^T): configs.mma_swap picks one of the two per arch/M
+                    yield (f"w4a16 gemm M<={m} {label} mma swap", w4_k._gemm_kernel, int4_pointers(act, out),
+                           dict(consts, BLOCK_K=mg.block_k, PLANES=False, MMA_ORDER=mma_layout.kernel_order(),
+                                MMA_SWAP=True),
+                           mg.num_warps, mg.num_stages, mg.smem_bytes(fused=fused))
     # The MoE's expert runs (one program per pair, runs of up to 16 pairs of an expert): the table's entry, or
     # the M <= 16 GEMM tile where there is none, with planes and with pairs of planes.
     g = configs.MOE_RUNS_TABLE.get(arch, configs.gemm_config(arch, 16))
@@ -182,7 +187,7 @@ def cases(arch: str, quick: bool):
             consts = dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_ROWS=fused, HAS_EXPERTS=True,
                           HAS_GIDX=False, FUSE_GATE_UP=fused, HAS_ROW_SCALE=scale, DOT_IEEE=False,
                           PLANES=g.block_k >= 128 and g.planes, PARTIAL=False, PAIRS=pairs, EXPERT_RUNS=True,
-                          MMA_ORDER=0)
+                          MMA_ORDER=0, MMA_SWAP=False)
             if pairs and not consts["PLANES"]:
                 continue
             yield (f"moe runs{label}{' pairs' if pairs else ''}", w4_k._gemm_kernel, int4_pointers(act, act), consts,
@@ -191,6 +196,10 @@ def cases(arch: str, quick: bool):
                 mg = configs.for_mma_order(g, arch)
                 yield (f"moe runs{label} mma", w4_k._gemm_kernel, int4_pointers(act, act),
                        dict(consts, BLOCK_K=mg.block_k, PLANES=False, MMA_ORDER=mma_layout.kernel_order()),
+                       mg.num_warps, mg.num_stages, mg.smem_bytes(fused=fused))
+                yield (f"moe runs{label} mma swap", w4_k._gemm_kernel, int4_pointers(act, act),
+                       dict(consts, BLOCK_K=mg.block_k, PLANES=False, MMA_ORDER=mma_layout.kernel_order(),
+                            MMA_SWAP=True),
                        mg.num_warps, mg.num_stages, mg.smem_bytes(fused=fused))
     g = configs.GEMV_TABLE[arch]
     # Dense M = 1 (K split, fp32 partials), the MoE's fused gate/up and its down projection (routing weight).

@@ -90,12 +90,21 @@ def check_w4a16(device, gen, smoke) -> str:
                 # The modules' weights: rearranged in the MMA order (this Triton's first, then the other).
                 checked = eligible and (not smoke or m in (3, 33))
                 for order in mma_orders if checked else ():
-                    run = gemv if m <= 4 else gemm
-                    err = ((run(x, mma[order]).float() - ref).abs().max() / ref.abs().max()).item()
-                    worst_mma = max(worst_mma, err)
-                    if not err < (1e-4 if dt == torch.float32 else 2e-2):
-                        raise AssertionError(f"w4a16 MMA order {order} K={K} N={N} M={m} {dt}: rel err {err}")
-    return f"max rel err {worst:.1e}; weights in the MMA order (orders {mma_orders}) {worst_mma:.1e}"
+                    # The GEMM with operands as they are and swapped (the launcher picks one: configs.mma_swap)
+                    swaps = (None,) if m <= 4 else (False, True)
+                    for swap in swaps:
+                        if swap is None:
+                            out = gemv(x, mma[order])
+                        else:
+                            cfg = replace(fill_split(gemm_config_for(device, m), m, N, device), swap=swap)
+                            out = gemm(x, mma[order], config=cfg)
+                        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                        worst_mma = max(worst_mma, err)
+                        if not err < (1e-4 if dt == torch.float32 else 2e-2):
+                            raise AssertionError(f"w4a16 MMA order {order} swap {swap} K={K} N={N} M={m} {dt}: "
+                                                 f"rel err {err}")
+    return (f"max rel err {worst:.1e}; weights in the MMA order (orders {mma_orders}, operands as they are and "
+            f"swapped) {worst_mma:.1e}")
 
 
 def check_moe(device, gen, smoke) -> str:

@@ -73,12 +73,14 @@ def kernel_seconds(calls: list, device: torch.device, reps: int) -> float:
 def gemm_candidates(m: int, smoke: bool, mma: bool = False) -> list[tuple[configs.GemmConfig, bool]]:
     """(config, planes) pairs at stages 3; split_k is the most the fill rule may use. With planes, also two
     nibbles per AND-OR (GemmConfig.pairs). `mma`: weights in the MMA order, whose K tile is always 128 rows
-    (configs.for_mma_order) and which have neither planes nor pairs: BLOCK_N, warps and split."""
+    (configs.for_mma_order) and which have neither planes nor pairs: BLOCK_N, warps, split, and the operands
+    as they are or swapped (GemmConfig.swap: the table's choice is configs.mma_swap's rule)."""
     if mma:
         if smoke:
-            return [(configs.GemmConfig(16, bn, 128, sk, 4, 1), False) for bn, sk in ((32, 1), (64, 2))]
-        return [(configs.GemmConfig(m, bn, 128, split, warps, 3), False)
-                for bn in (64, 128, 256) for warps in (4, 8) for split in (1, 2, 4)]
+            return [(configs.GemmConfig(16, bn, 128, sk, 4, 1, swap=swap), False)
+                    for bn, sk, swap in ((32, 1, False), (64, 2, True))]
+        return [(configs.GemmConfig(m, bn, 128, split, warps, 3, swap=swap), False)
+                for bn in (64, 128, 256) for warps in (4, 8) for split in (1, 2, 4) for swap in (False, True)]
     if smoke:
         return [(configs.GemmConfig(16, 32, 32, 1, 4, 1), False), (configs.GemmConfig(16, 64, 32, 2, 4, 1), False)]
     out = []
@@ -301,7 +303,8 @@ def fmt_moe(x: dict) -> str:
 
 def fmt_gemm(c: dict, planes: bool) -> str:
     return (f"BM {c['block_m']:>3} BN {c['block_n']:>3} BK {c['block_k']:>3} split<={c['split_k']} "
-            f"w{c['num_warps']} st{c['num_stages']} {'planes' if planes else 'tile  '}")
+            f"w{c['num_warps']} st{c['num_stages']} {'planes' if planes else 'tile  '}"
+            f"{' swap' if c.get('swap') else ''}")
 
 
 def main(argv=None) -> int:

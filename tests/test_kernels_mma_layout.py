@@ -1,6 +1,8 @@
 """INT4 weights in the MMA order (kernels/mma_layout.py): the rearrangement against a hand-worked case and an
 independent unpacking, and every INT4 kernel taking such weights against float64, under the interpreter."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -64,31 +66,35 @@ def test_eligibility_and_errors():
 @pytest.mark.parametrize("order, variant", [(2, "sym-v1-g128"), (4, "sym-v1-g128"), (4, "asym-v2-g256"),
                                             (2, "asym-v1-perchannel")])
 def test_gemm_and_gemv_take_the_mma_order(order, variant):
-    """The GEMM (K tiles of 32, 64 and 128 rows: slices of a block and whole blocks, split-K) and the GEMV,
-    fp32 and fp16, ragged M and N, against float64."""
+    """The GEMM (K tiles of 32, 64 and 128 rows: slices of a block and whole blocks, split-K; operands as they
+    are and swapped, configs.mma_swap) and the GEMV, fp32 and fp16, ragged M and N, against float64."""
     fmt = "gptq_v2" if "v2" in variant else "gptq"
     group = -1 if "perchannel" in variant else int(variant.split("-g")[1])
     t, w = random_int4(256, 72, group, fmt, sym=variant.startswith("sym"))
     W = Int4Weights(**t).in_mma_order(order)
-    for dtype, tiles in ((torch.float32, ((32, 1), (128, 2))), (torch.float16, ((64, 2), (128, 1)))):
+    for dtype, tiles in ((torch.float32, ((32, 1, False), (128, 2, True))),
+                         (torch.float16, ((64, 2, True), (128, 1, False)))):
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
         for M in (1, 17):
             x = torch.randn(M, 256, generator=GEN).to(dtype)
             ref = x.double() @ w.t()
             torch.testing.assert_close(gemv(x, W).double(), ref, **tol)
-            for bk, split in tiles:
-                cfg = configs.GemmConfig(16, 64, bk, split, 4, 1)
+            for bk, split, swap in tiles:
+                cfg = configs.GemmConfig(16, 64, bk, split, 4, 1, swap=swap)
                 torch.testing.assert_close(gemm(x, W, config=cfg).double(), ref, **tol)
 
 
 @pytest.mark.parametrize("order, path", [(2, "gemv"), (4, "gemv"), (4, "grouped"), (2, "runs"), (4, "runs"),
                                          (2, "padded")])
 def test_fused_moe_takes_the_mma_order(monkeypatch, order, path):
-    """Experts in the MMA order on each MoE path (gate/up K = 128: one block; down K = 256: two), fp32."""
+    """Experts in the MMA order on each MoE path (gate/up K = 128: one block; down K = 256: two), fp32; the
+    GEMM's paths with swapped operands in one order each (configs.mma_swap)."""
     monkeypatch.setattr(configs, "INTERPRET_MOE_GEMV", configs.GemvConfig(64, 64, 4, 1, split_k=2,
                                                                           rows=2 if path == "grouped" else 1))
     if path == "runs":
-        monkeypatch.setattr(configs, "INTERPRET_MOE_RUNS", configs.GemmConfig(16, 64, 128, 2, 4, 1))
+        monkeypatch.setattr(configs, "INTERPRET_MOE_RUNS", configs.GemmConfig(16, 64, 128, 2, 4, 1, swap=order == 4))
+    if path == "padded":
+        monkeypatch.setattr(configs, "INTERPRET_GEMM", replace(configs.INTERPRET_GEMM, swap=True))
     E, k, T, hidden, inter = 4, 2, (24 if path == "padded" else 5), 128, 256
     parts = [random_int4(hidden, inter, 128, stack=E), random_int4(hidden, inter, 128, sym=False, stack=E),
              random_int4(inter, hidden, 128, sym=False, stack=E)]
@@ -124,3 +130,17 @@ def test_quant_linear_prepare_repacks_eligible_weights():
         torch.testing.assert_close(lin.weight_of(dtype=torch.float64), w)
         x = torch.randn(5, 256, generator=GEN)
         torch.testing.assert_close(lin(x).double(), x.double() @ w.t(), atol=1e-4, rtol=1e-4)
+
+
+def test_mma_swap_rule():
+    """Where the GEMM on MMA-order weights swaps its operands (configs.mma_swap), by hand from the compiled
+    counts in RESULTS.md: sm_90 and sm_100 at every M with Triton < 3.9's order 4, elsewhere above 32 rows;
+    never for the GPTQ order or under the interpreter unless a config asks."""
+    small, large = configs.gemm_config("sm_90", 16), configs.gemm_config("sm_90", 64)
+    assert configs.mma_swap(small, "sm_90", 4) and configs.mma_swap(small, "sm_100", 4)
+    assert not configs.mma_swap(small, "sm_90", 2)
+    assert not configs.mma_swap(configs.gemm_config("sm_86", 32), "sm_86", 4)
+    assert configs.mma_swap(large, "sm_90", 2) and configs.mma_swap(configs.gemm_config("sm_86", 64), "sm_86", 2)
+    assert not configs.mma_swap(large, "sm_90", 0) and not configs.mma_swap(large, None, 4)
+    assert configs.mma_swap(replace(small, swap=True), None, 2) and not configs.mma_swap(replace(large, swap=False),
+                                                                                           "sm_90", 4)

@@ -40,6 +40,9 @@ class GemmConfig:
     # With planes and 16-bit activations: 4 dots over pairs of planes, two nibbles per AND-OR
     # (w4a16._paired_planes16). Fewer instructions on sm_90 as compiled; a sweep candidate, off in the table.
     pairs: bool = False
+    # Weights in the MMA order: compute out^T = W^T x^T, the weights as the dot's first operand (see
+    # mma_swap). None: mma_swap's rule; True/False: forced (the sweep, tests).
+    swap: bool | None = None
 
     def smem_bytes(self, act_bytes: int = 2, gathered: bool = False, fused: bool = False) -> int:
         """Pipelined loads per stage (activation tile [BM, BK], packed weights [BK/8, BN] int32) plus one
@@ -48,7 +51,9 @@ class GemmConfig:
         (two when gate and up are fused): 4 bytes per element, an upper bound on what the compiler
         allocated for sm_86 and sm_90 with run-time specialization (benchmarks/compile_check.py --as-run
         measures every configuration). It also bounds what weights in the MMA order were allocated (whose
-        operand is built in registers, but whose fused gate/up and epilogue take about as much)."""
+        operand is built in registers, but whose fused gate/up and epilogue take about as much), except
+        with swapped operands on sm_90, whose fused gate/up took up to 8% more (the transposed epilogue;
+        far under that limit)."""
         per_stage = self.block_m * self.block_k * act_bytes + self.block_k * self.block_n // 2
         base = self.num_stages * per_stage + self.block_k * self.block_n * act_bytes
         if not gathered:
@@ -172,6 +177,27 @@ def for_mma_order(cfg: GemmConfig, arch: str) -> GemmConfig:
     while cfg.num_stages > 1 and cfg.smem_bytes(fused=True) > SMEM_LIMIT[arch]:
         cfg = replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg
+
+
+# Swapped operands for weights in the MMA order, by architecture, where a Triton lays 16-bit dot operands out
+# with kWidth 4 (order 4: Triton < 3.9) at every M bucket. The rule below came from compiled code
+# (benchmarks/compile_check.py --as-run, cases "mma" and "mma swap"; K-loop instructions per thread, both
+# Tritons, RESULTS.md "Swapped operands"): with x as the first operand, kWidth 4 has the compiler copy x's
+# registers into each MMA's operand quad (sm_90, Triton 3.6, M <= 32: 254 moves a K step); as the second
+# operand x loads straight into place. The consumer parts gain only from M > 32.
+MMA_SWAP_EVERY_M = {4: ("sm_90", "sm_100")}
+
+
+def mma_swap(cfg: GemmConfig, arch: str | None, order: int) -> bool:
+    """Whether a GEMM on weights in the MMA order `order` runs with swapped operands (w4a16._mma_tile_product:
+    W^T x^T, the weights as the first operand): the config's choice if it makes one; else on a GPU, for
+    tiles of more than 32 rows, and at every M on the architectures of MMA_SWAP_EVERY_M for this order;
+    never under the interpreter (arch None) unless the config asks."""
+    if cfg.swap is not None:
+        return cfg.swap
+    if arch is None or not order:
+        return False
+    return cfg.block_m > 32 or arch in MMA_SWAP_EVERY_M.get(order, ())
 
 
 def for_gathered_groups(cfg: GemmConfig, arch: str, fused: bool) -> GemmConfig:

@@ -169,12 +169,13 @@ def _mma_words(qw_ptr, e, s_qe, k0, N, n0, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
 
 @triton.jit
 def _mma_operand(words, opaque_zero, dtype: tl.constexpr, ORDER: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 BLOCK_N: tl.constexpr, SWAP: tl.constexpr = False):
     """The dot operand [BK, BN] from words [BN, 4 t, BK/32 c] in the MMA order: exact fp32 integers q, or
     16-bit floats B + q (B = 128 in bf16, 1024 in fp16) two per AND-OR: nibbles m and m + 4 under the masks
     0x000F000F are rows r and r + 1 of one operand register. The joins build [BN, t, c, h, m0, m1] (m = m0
     + 2 m1, nibble m + 4h) and the permute puts the rows in the order's sequence: laid out as the installed
-    Triton's dot takes them when ORDER is mma_layout.kernel_order()."""
+    Triton's dot takes them when ORDER is mma_layout.kernel_order(). SWAP: its transpose [BN, BK], the
+    dot's first operand, whose registers pair neighbouring K the same way (the same words serve both)."""
     if dtype == tl.float32:
         p = _nibble_planes(words, opaque_zero)
         q0, q1, q2, q3 = tl.join(p[0], p[4]), tl.join(p[1], p[5]), tl.join(p[2], p[6]), tl.join(p[3], p[7])
@@ -189,11 +190,15 @@ def _mma_operand(words, opaque_zero, dtype: tl.constexpr, ORDER: tl.constexpr, B
         q2 = tl.join(p2.to(tl.int16), (p2 >> 16).to(tl.int16))
         q3 = tl.join(p3.to(tl.int16), (p3 >> 16).to(tl.int16))
     w = tl.join(tl.join(q0, q1), tl.join(q2, q3))  # [BN, t, c, h, m0, m1]
-    if ORDER == 2:  # row 32 c + 16 m1 + 8 m0 + 2 t + h
-        w = tl.permute(w, (2, 5, 4, 1, 3, 0))
+    if SWAP:  # [BN, BK], K in the same sequence
+        if ORDER == 2:
+            w = tl.reshape(tl.permute(w, (0, 2, 5, 4, 1, 3)), (BLOCK_N, BLOCK_K))
+        else:
+            w = tl.reshape(tl.permute(w, (0, 2, 5, 1, 4, 3)), (BLOCK_N, BLOCK_K))
+    elif ORDER == 2:  # row 32 c + 16 m1 + 8 m0 + 2 t + h
+        w = tl.reshape(tl.permute(w, (2, 5, 4, 1, 3, 0)), (BLOCK_K, BLOCK_N))
     else:  # row 32 c + 16 m1 + 4 t + 2 m0 + h
-        w = tl.permute(w, (2, 5, 1, 4, 3, 0))
-    w = tl.reshape(w, (BLOCK_K, BLOCK_N))
+        w = tl.reshape(tl.permute(w, (2, 5, 1, 4, 3, 0)), (BLOCK_K, BLOCK_N))
     if dtype != tl.float32:
         w = w.to(dtype, bitcast=True)
     return w
@@ -202,19 +207,30 @@ def _mma_operand(words, opaque_zero, dtype: tl.constexpr, ORDER: tl.constexpr, B
 @triton.jit
 def _mma_tile_product(x, xsum, qw_ptr, sc_ptr, qz_ptr, e, n0, offs_n, n_ok, k0, g, N,
                       s_qe, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset, opaque_zero,
-                      ORDER: tl.constexpr, BLOCK_K: tl.constexpr):
+                      ORDER: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr = False):
     """x [BM, BK] (natural column order) times the tile of weights in the MMA order, one group:
-    s * (x . q - z * sum(x)), with B folded into z for 16-bit operands."""
+    s * (x . q - z * sum(x)), with B folded into z for 16-bit operands. SWAP: the same product transposed,
+    [BN, BM] = W^T x^T, the weights as the dot's first operand: with kWidth 4 (order 4) x as the first
+    operand is copied register by register into every MMA's operand quad, as the second it loads into place
+    (configs.mma_swap says where that pays)."""
     words = _mma_words(qw_ptr, e, s_qe, k0, N, n0, offs_n.shape[0], BLOCK_K)
-    w = _mma_operand(words, opaque_zero, x.dtype, ORDER, BLOCK_K, offs_n.shape[0])
-    if x.dtype == tl.float32:
-        xq = tl.dot(x, w, input_precision="ieee")
-    else:
-        xq = tl.dot(x, w)
+    w = _mma_operand(words, opaque_zero, x.dtype, ORDER, BLOCK_K, offs_n.shape[0], SWAP)
     s, z = _group_params(sc_ptr, qz_ptr, e, g, offs_n, n_ok, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset)
     if x.dtype != tl.float32:
         z += 128.0 if x.dtype == tl.bfloat16 else 1024.0
-    return s[None, :] * (xq - z[None, :] * xsum[:, None])
+    if SWAP:
+        if x.dtype == tl.float32:
+            xq = tl.dot(w, tl.trans(x), input_precision="ieee")
+        else:
+            xq = tl.dot(w, tl.trans(x))
+        res = s[:, None] * (xq - z[:, None] * xsum[None, :])
+    else:
+        if x.dtype == tl.float32:
+            xq = tl.dot(x, w, input_precision="ieee")
+        else:
+            xq = tl.dot(x, w)
+        res = s[None, :] * (xq - z[None, :] * xsum[:, None])
+    return res
 
 
 @triton.jit
@@ -322,8 +338,10 @@ def _gemm_kernel(
     HAS_ROWS: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_GIDX: tl.constexpr, FUSE_GATE_UP: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, DOT_IEEE: tl.constexpr, PLANES: tl.constexpr, PARTIAL: tl.constexpr,
     PAIRS: tl.constexpr = False, EXPERT_RUNS: tl.constexpr = False, MMA_ORDER: tl.constexpr = 0,
+    MMA_SWAP: tl.constexpr = False,
 ):
-    """EXPERT_RUNS: the M rows are (token, expert) pairs sorted by expert (moe_route.sort_pairs), and program
+    """MMA_SWAP (weights in the MMA order): the tile accumulated transposed, [BN, BM] (_mma_tile_product).
+    EXPERT_RUNS: the M rows are (token, expert) pairs sorted by expert (moe_route.sort_pairs), and program
     p of axis 0 leads the run of up to BLOCK_M pairs of its expert that starts at pair p when p's rank among
     that expert's pairs is a multiple of BLOCK_M (tile_expert: each pair's expert). The others run no K loop
     and store nothing. A fixed grid (one program per pair) that reads each expert's weights once per run,
@@ -351,8 +369,12 @@ def _gemm_kernel(
     e = 0
     if HAS_EXPERTS:
         e = tl.load(tile_expert_ptr + pid_m)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if MMA_SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     if EXPERT_RUNS:
@@ -367,10 +389,11 @@ def _gemm_kernel(
         if MMA_ORDER != 0:  # weights in the MMA order (mma_layout.py): x as it is, one tile a group
             xsum = tl.sum(x.to(tl.float32), axis=1)
             acc += _mma_tile_product(x, xsum, qw_ptr, sc_ptr, qz_ptr, e, n0, offs_n, n_ok, k0, g, N, s_qe, s_se, s_sg,
-                                     s_sn, s_ze, s_zg, s_zn, zero_offset, opaque_zero, MMA_ORDER, BLOCK_K)
+                                     s_sn, s_ze, s_zg, s_zn, zero_offset, opaque_zero, MMA_ORDER, BLOCK_K, MMA_SWAP)
             if FUSE_GATE_UP:
                 acc2 += _mma_tile_product(x, xsum, qw2_ptr, sc2_ptr, qz2_ptr, e, n0, offs_n, n_ok, k0, g, N, s_qe, s_se,
-                                          s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset, opaque_zero, MMA_ORDER, BLOCK_K)
+                                          s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset, opaque_zero, MMA_ORDER, BLOCK_K,
+                                          MMA_SWAP)
         elif PLANES:
             if PAIRS:
                 xplanes = _split_pairs(x, BLOCK_M, BLOCK_K)  # pair J: columns k0 + 8i + J and k0 + 8i + J + 4
@@ -393,6 +416,9 @@ def _gemm_kernel(
                                       g, s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
                                       zero_offset, HAS_GIDX, DOT_IEEE, BLOCK_K, BLOCK_N)
         g, g_end = _next_group(g, g_end, k0 + BLOCK_K, group_size)
+    if MMA_SWAP:  # once per program, back to [BM, BN] for the epilogue
+        acc = tl.trans(acc)
+        acc2 = tl.trans(acc2)
     out = out_ptr + pid_k * s_os + offs_m[:, None] * s_om + offs_n[None, :] * s_on
     if FUSE_GATE_UP:
         if PARTIAL:  # split K: gate's and up's sums side by side; SiLU after the sum (_sum_splits)
@@ -761,7 +787,9 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         HAS_ROWS=rows is not None, HAS_EXPERTS=tile_expert is not None, HAS_GIDX=w.g_idx is not None,
         FUSE_GATE_UP=w2 is not None, HAS_ROW_SCALE=row_scale is not None, DOT_IEEE=cdt == torch.float32,
         PLANES=use_planes, PARTIAL=split > 1, PAIRS=use_planes and cfg.pairs and cdt != torch.float32,
-        EXPERT_RUNS=runs is not None, MMA_ORDER=w.mma_order, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EXPERT_RUNS=runs is not None, MMA_ORDER=w.mma_order,
+        MMA_SWAP=bool(w.mma_order) and configs.mma_swap(cfg, arch, w.mma_order),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out if not sum_splits else _split_result(out, x, w, cdt, fused)
 
