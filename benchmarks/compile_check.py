@@ -179,6 +179,13 @@ def cases(arch: str, quick: bool):
                            dict(consts, BLOCK_K=mg.block_k, PLANES=False, MMA_ORDER=mma_layout.kernel_order(),
                                 MMA_SWAP=True),
                            mg.num_warps, mg.num_stages, mg.smem_bytes(fused=fused))
+                    if m == 16 and label == "dense":  # fp32 activations (IEEE dots, the tiny models'), both ways
+                        for swap in (False, True):
+                            yield (f"w4a16 gemm M<={m} {label} mma fp32{' swap' if swap else ''}", w4_k._gemm_kernel,
+                                   int4_pointers("*fp32", "*fp32"),
+                                   dict(consts, BLOCK_K=mg.block_k, PLANES=False, DOT_IEEE=True,
+                                        MMA_ORDER=mma_layout.kernel_order(), MMA_SWAP=swap),
+                                   mg.num_warps, mg.num_stages, mg.smem_bytes(act_bytes=4))
     # The MoE's expert runs (one program per pair, runs of up to 16 pairs of an expert): the table's entry, or
     # the M <= 16 GEMM tile where there is none, with planes and with pairs of planes.
     g = configs.MOE_RUNS_TABLE.get(arch, configs.gemm_config(arch, 16))

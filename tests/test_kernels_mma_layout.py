@@ -134,11 +134,11 @@ def test_quant_linear_prepare_repacks_eligible_weights():
 
 def test_mma_swap_rule():
     """Where the GEMM on MMA-order weights swaps its operands (configs.mma_swap), by hand from the compiled
-    counts in RESULTS.md: sm_90 and sm_100 at every M with Triton < 3.9's order 4, elsewhere above 32 rows;
-    never for the GPTQ order or under the interpreter unless a config asks."""
+    counts in RESULTS.md: sm_90 and sm_100 at every M with Triton < 3.9's order 4, elsewhere above 32 rows,
+    fp32 always; never for the GPTQ order or under the interpreter unless a config asks."""
     small, large = configs.gemm_config("sm_90", 16), configs.gemm_config("sm_90", 64)
     assert configs.mma_swap(small, "sm_90", 4) and configs.mma_swap(small, "sm_100", 4)
-    assert not configs.mma_swap(small, "sm_90", 2)
+    assert not configs.mma_swap(small, "sm_90", 2) and configs.mma_swap(small, "sm_90", 2, fp32=True)
     assert not configs.mma_swap(configs.gemm_config("sm_86", 32), "sm_86", 4)
     assert configs.mma_swap(large, "sm_90", 2) and configs.mma_swap(configs.gemm_config("sm_86", 64), "sm_86", 2)
     assert not configs.mma_swap(large, "sm_90", 0) and not configs.mma_swap(large, None, 4)

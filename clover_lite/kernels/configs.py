@@ -188,16 +188,17 @@ def for_mma_order(cfg: GemmConfig, arch: str) -> GemmConfig:
 MMA_SWAP_EVERY_M = {4: ("sm_90", "sm_100")}
 
 
-def mma_swap(cfg: GemmConfig, arch: str | None, order: int) -> bool:
+def mma_swap(cfg: GemmConfig, arch: str | None, order: int, fp32: bool = False) -> bool:
     """Whether a GEMM on weights in the MMA order `order` runs with swapped operands (w4a16._mma_tile_product:
     W^T x^T, the weights as the first operand): the config's choice if it makes one; else on a GPU, for
-    tiles of more than 32 rows, and at every M on the architectures of MMA_SWAP_EVERY_M for this order;
-    never under the interpreter (arch None) unless the config asks."""
+    tiles of more than 32 rows, at every M on the architectures of MMA_SWAP_EVERY_M for this order, and
+    always for fp32 activations (IEEE dots without tensor cores: as is, sm_86 and sm_90 spilled 3-9 KB a
+    thread and ran twice the instructions); never under the interpreter (arch None) unless the config asks."""
     if cfg.swap is not None:
         return cfg.swap
     if arch is None or not order:
         return False
-    return cfg.block_m > 32 or arch in MMA_SWAP_EVERY_M.get(order, ())
+    return fp32 or cfg.block_m > 32 or arch in MMA_SWAP_EVERY_M.get(order, ())
 
 
 def for_gathered_groups(cfg: GemmConfig, arch: str, fused: bool) -> GemmConfig:

@@ -788,7 +788,7 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         FUSE_GATE_UP=w2 is not None, HAS_ROW_SCALE=row_scale is not None, DOT_IEEE=cdt == torch.float32,
         PLANES=use_planes, PARTIAL=split > 1, PAIRS=use_planes and cfg.pairs and cdt != torch.float32,
         EXPERT_RUNS=runs is not None, MMA_ORDER=w.mma_order,
-        MMA_SWAP=bool(w.mma_order) and configs.mma_swap(cfg, arch, w.mma_order),
+        MMA_SWAP=bool(w.mma_order) and configs.mma_swap(cfg, arch, w.mma_order, fp32=cdt == torch.float32),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out if not sum_splits else _split_result(out, x, w, cdt, fused)
