@@ -85,7 +85,10 @@ def test_norm_with_rotary_matches_float64_and_the_modules(dtype, n, rd, heads, L
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-3, rtol=4e-3)
     torch.testing.assert_close(y.double(), rotary64(rms64(x, mod.weight, mod.eps, True), cos, sin), **tol)
     ref = apply_rotary(mod(x).transpose(1, 2), cos, sin).transpose(1, 2)
-    torch.testing.assert_close(y, ref, atol=1e-5 if dtype == torch.float32 else 1e-3, rtol=1e-5)
+    # 16-bit: within one rounding of the module's result (the norm's fp32 sum, taken in another order, can
+    # round the normed value the modules hand on to the neighbouring 16-bit number; CI once saw 1 of 14336)
+    rtol = 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps
+    torch.testing.assert_close(y, ref, atol=1e-5 if dtype == torch.float32 else 1e-3, rtol=rtol)
 
 
 def test_attention_layer_norm_rotary_path_matches_torch():
