@@ -11,6 +11,7 @@ Run with TRITON_INTERPRET unset (the interpreter replaces the compiler); the scr
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -170,22 +171,16 @@ def cases(arch: str, quick: bool):
                     yield (f"w4a16 gemm M<={m} {label} pairs", w4_k._gemm_kernel, int4_pointers(act, out),
                            dict(consts, PAIRS=True), g.num_warps, g.num_stages, g.smem_bytes(fused=fused))
                 if not gidx:  # the modules' weights, repacked in the MMA order this Triton's dot takes
+                    # (operands as they are and swapped, W^T x^T: configs.mma_swap picks one per arch and M;
+                    # fp32 activations too at M <= 16 dense, IEEE dots, the tiny models')
                     mg = configs.for_mma_order(g, arch)
-                    yield (f"w4a16 gemm M<={m} {label} mma", w4_k._gemm_kernel, int4_pointers(act, out),
-                           dict(consts, BLOCK_K=mg.block_k, PLANES=False, MMA_ORDER=mma_layout.kernel_order()),
-                           mg.num_warps, mg.num_stages, mg.smem_bytes(fused=fused))
-                    # ... and with swapped operands (W^T x^T): configs.mma_swap picks one of the two per arch/M
-                    yield (f"w4a16 gemm M<={m} {label} mma swap", w4_k._gemm_kernel, int4_pointers(act, out),
-                           dict(consts, BLOCK_K=mg.block_k, PLANES=False, MMA_ORDER=mma_layout.kernel_order(),
-                                MMA_SWAP=True),
-                           mg.num_warps, mg.num_stages, mg.smem_bytes(fused=fused))
-                    if m == 16 and label == "dense":  # fp32 activations (IEEE dots, the tiny models'), both ways
-                        for swap in (False, True):
-                            yield (f"w4a16 gemm M<={m} {label} mma fp32{' swap' if swap else ''}", w4_k._gemm_kernel,
-                                   int4_pointers("*fp32", "*fp32"),
-                                   dict(consts, BLOCK_K=mg.block_k, PLANES=False, DOT_IEEE=True,
-                                        MMA_ORDER=mma_layout.kernel_order(), MMA_SWAP=swap),
-                                   mg.num_warps, mg.num_stages, mg.smem_bytes(act_bytes=4))
+                    fp32s = (False, True) if m == 16 and label == "dense" else (False,)
+                    for fp32, swap in itertools.product(fp32s, (False, True)):
+                        yield (f"w4a16 gemm M<={m} {label} mma{' fp32' if fp32 else ''}{' swap' if swap else ''}",
+                               w4_k._gemm_kernel, int4_pointers(*(("*fp32", "*fp32") if fp32 else (act, out))),
+                               dict(consts, BLOCK_K=mg.block_k, PLANES=False, DOT_IEEE=fp32,
+                                    MMA_ORDER=mma_layout.kernel_order(), MMA_SWAP=swap),
+                               mg.num_warps, mg.num_stages, mg.smem_bytes(act_bytes=4 if fp32 else 2, fused=fused))
     # The MoE's expert runs (one program per pair, runs of up to 16 pairs of an expert): the table's entry, or
     # the M <= 16 GEMM tile where there is none, with planes and with pairs of planes.
     g = configs.MOE_RUNS_TABLE.get(arch, configs.gemm_config(arch, 16))
@@ -201,13 +196,11 @@ def cases(arch: str, quick: bool):
                    g.num_warps, g.num_stages, g.smem_bytes(fused=fused))
             if not pairs:
                 mg = configs.for_mma_order(g, arch)
-                yield (f"moe runs{label} mma", w4_k._gemm_kernel, int4_pointers(act, act),
-                       dict(consts, BLOCK_K=mg.block_k, PLANES=False, MMA_ORDER=mma_layout.kernel_order()),
-                       mg.num_warps, mg.num_stages, mg.smem_bytes(fused=fused))
-                yield (f"moe runs{label} mma swap", w4_k._gemm_kernel, int4_pointers(act, act),
-                       dict(consts, BLOCK_K=mg.block_k, PLANES=False, MMA_ORDER=mma_layout.kernel_order(),
-                            MMA_SWAP=True),
-                       mg.num_warps, mg.num_stages, mg.smem_bytes(fused=fused))
+                for swap in (False, True):
+                    yield (f"moe runs{label} mma{' swap' if swap else ''}", w4_k._gemm_kernel, int4_pointers(act, act),
+                           dict(consts, BLOCK_K=mg.block_k, PLANES=False, MMA_ORDER=mma_layout.kernel_order(),
+                                MMA_SWAP=swap),
+                           mg.num_warps, mg.num_stages, mg.smem_bytes(fused=fused))
     g = configs.GEMV_TABLE[arch]
     # Dense M = 1 (K split, fp32 partials), the MoE's fused gate/up and its down projection (routing weight).
     for label, fused, partial in (("", False, True), (" moe gate/up", True, False), (" moe down", False, False)):

@@ -219,16 +219,16 @@ def _mma_tile_product(x, xsum, qw_ptr, sc_ptr, qz_ptr, e, n0, offs_n, n_ok, k0, 
     if x.dtype != tl.float32:
         z += 128.0 if x.dtype == tl.bfloat16 else 1024.0
     if SWAP:
-        if x.dtype == tl.float32:
-            xq = tl.dot(w, tl.trans(x), input_precision="ieee")
-        else:
-            xq = tl.dot(w, tl.trans(x))
+        a, b = w, tl.trans(x)
+    else:
+        a, b = x, w
+    if x.dtype == tl.float32:
+        xq = tl.dot(a, b, input_precision="ieee")
+    else:
+        xq = tl.dot(a, b)
+    if SWAP:  # (one return: Triton takes the branches' shapes as one function's)
         res = s[:, None] * (xq - z[:, None] * xsum[None, :])
     else:
-        if x.dtype == tl.float32:
-            xq = tl.dot(x, w, input_precision="ieee")
-        else:
-            xq = tl.dot(x, w)
         res = s[None, :] * (xq - z[None, :] * xsum[:, None])
     return res
 
