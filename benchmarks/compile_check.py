@@ -141,8 +141,8 @@ def ptx_stats(kernel) -> str:
 
 def int4_pointers(act: str, out: str) -> dict[str, str]:
     p = {n: "*i32" for n in ("rows_ptr", "tile_expert_ptr", "row_expert_ptr", "qw_ptr", "qz_ptr", "gi_ptr",
-                             "qw2_ptr", "qz2_ptr", "gi2_ptr", "rank_ptr", "count_ptr")}
-    p.update(x_ptr=act, out_ptr=out, row_scale_ptr="*fp32", sc_ptr="*fp16", sc2_ptr="*fp16")
+                             "qw2_ptr", "qz2_ptr", "gi2_ptr", "rank_ptr", "count_ptr", "tile_done_ptr")}
+    p.update(x_ptr=act, out_ptr=out, row_scale_ptr="*fp32", sc_ptr="*fp16", sc2_ptr="*fp16", sum_ptr=act)
     return p
 
 
@@ -161,8 +161,9 @@ def cases(arch: str, quick: bool):
                 g = configs.for_gathered_groups(c, arch, fused) if gidx else c  # as the launcher adjusts it
                 consts = dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_GIDX=gidx, DOT_IEEE=False,
                               PLANES=not gidx and g.block_k >= 128 and g.planes, PARTIAL=g.split_k > 1 and not fused,
-                              PAIRS=False, EXPERT_RUNS=False, MMA_ORDER=0, MMA_SWAP=False, **flags)
-                # (as the launcher sets it: the MoE's gate/up has no split)
+                              PAIRS=False, EXPERT_RUNS=False, MMA_ORDER=0, MMA_SWAP=False,
+                              SUM_IN_KERNEL=g.split_k > 1 and not fused and g.sum_in_kernel, **flags)
+                # (as the launcher sets it: the MoE's gate/up has no split; split partials summed by the last split)
                 out = "*fp32" if g.split_k > 1 and not fused else act
                 yield (f"w4a16 gemm M<={m} {label}{' g_idx' if gidx else ''}", w4_k._gemm_kernel,
                        int4_pointers(act, out), consts, g.num_warps, g.num_stages,
@@ -189,7 +190,7 @@ def cases(arch: str, quick: bool):
             consts = dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_ROWS=fused, HAS_EXPERTS=True,
                           HAS_GIDX=False, FUSE_GATE_UP=fused, HAS_ROW_SCALE=scale, DOT_IEEE=False,
                           PLANES=g.block_k >= 128 and g.planes, PARTIAL=False, PAIRS=pairs, EXPERT_RUNS=True,
-                          MMA_ORDER=0, MMA_SWAP=False)
+                          MMA_ORDER=0, MMA_SWAP=False, SUM_IN_KERNEL=False)
             if pairs and not consts["PLANES"]:
                 continue
             yield (f"moe runs{label}{' pairs' if pairs else ''}", w4_k._gemm_kernel, int4_pointers(act, act), consts,
@@ -206,7 +207,7 @@ def cases(arch: str, quick: bool):
     for label, fused, partial in (("", False, True), (" moe gate/up", True, False), (" moe down", False, False)):
         consts = dict(BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_ROWS=fused, HAS_EXPERTS=bool(label),
                       HAS_GIDX=False, FUSE_GATE_UP=fused, HAS_ROW_SCALE=bool(label) and not fused, PARTIAL=partial,
-                      EVEN_K=True, MMA_ORDER=0)
+                      EVEN_K=True, MMA_ORDER=0, SUM_IN_KERNEL=partial and not label and g.sum_in_kernel)
         for order in (0, mma_layout.kernel_order()):
             yield (f"w4a16 gemv{label}{' mma' if order else ''}", w4_k._gemv_kernel,
                    int4_pointers(act, "*fp32" if partial else act), dict(consts, MMA_ORDER=order), g.num_warps,

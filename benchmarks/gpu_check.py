@@ -12,7 +12,9 @@ and the date into benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import runpy
 import subprocess
 import sys
 import time
@@ -439,7 +441,55 @@ def _check_norm_rotary_residual(device, gen, dt, smoke) -> float:
     return worst
 
 
-CHECKS = [("w4a16 matmul", check_w4a16), ("fused INT4 MoE", check_moe), ("MoE routing", check_moe_route),
+def check_split_sum(device, gen, smoke) -> str:
+    """Split-K partials summed by each tile's last split (w4a16._last_split_sums, an atomic counter per tile):
+    equal to _sum_splits' separate launch, the same result on every one of many repeated launches (a missed
+    ordering between the splits would show as a launch that read a partial before it was written), and every
+    counter back at zero after them. GEMM and GEMV, fused gate/up too, the modules' MMA order."""
+    from dataclasses import replace
+
+    from clover_lite.kernels import configs, mma_layout
+    from clover_lite.kernels.w4a16 import Int4Weights, _arch, gemm, gemm_config_for, gemv
+
+    arch = _arch(device)
+    shapes = [(128, 40, 32)] if smoke else [(2048, 8192, 128), (4096, 2048, 128), (2048, 512, 128)]
+    dt = torch.float32 if device.type == "cpu" else torch.bfloat16
+    repeats = 2 if smoke else 40
+    launches, differ, worst = 0, 0, 0.0
+    for K, N, G in shapes:
+        ws = [Int4Weights(**_int4(K, N, G, device, gen)) for _ in range(2)]
+        if mma_layout.eligible(K, G, None):
+            ws = [w.in_mma_order(mma_layout.kernel_order()) for w in ws]
+        runs = ((1, False, 4), (3, True, 8), (16, False, 4), (33, True, 2), (64, False, 8))
+        for m, fused, split in runs[1::2] if smoke else runs:  # smoke: a fused GEMV and a fused GEMM
+            x = torch.randn(m, K, generator=gen).to(device, dt)
+            w2 = ws[1] if fused else None
+            if m <= 4:
+                cfg = replace(configs.INTERPRET_GEMV if arch is None else configs.gemv_config(arch), split_k=split)
+                run = lambda c, x=x, w=ws[0], w2=w2: gemv(x, w, w2, config=c)  # noqa: E731
+            else:
+                cfg = replace(gemm_config_for(device, m), split_k=split)
+                run = lambda c, x=x, w=ws[0], w2=w2: gemm(x, w, w2, config=c)  # noqa: E731
+            separate = run(replace(cfg, sum_in_kernel=False)).float()
+            first = run(cfg)
+            err = ((first.float() - separate).abs().max() / separate.abs().max().clamp(min=1e-30)).item()
+            worst = max(worst, err)
+            differ += not torch.equal(first.float(), separate)
+            if not err < 1e-3:
+                raise AssertionError(f"split sum K={K} N={N} M={m} fused={fused} split={split}: rel err {err} "
+                                     "against the separate sum")
+            for _ in range(repeats):
+                if not torch.equal(run(cfg), first):
+                    raise AssertionError(f"split sum K={K} N={N} M={m} fused={fused} split={split}: a repeated "
+                                         "launch gave another result (the splits' ordering failed)")
+            launches += repeats + 1
+            if ws[0]._tile_done is not None and bool(ws[0]._tile_done.any()):
+                raise AssertionError("a tile's split counter was left non-zero after its launch")
+    return f"{launches} launches, all repeatable; max rel err {worst:.1e} vs the separate sum ({differ} not bitwise)"
+
+
+CHECKS = [("w4a16 matmul", check_w4a16), ("split-K sum in the kernel", check_split_sum),
+          ("fused INT4 MoE", check_moe), ("MoE routing", check_moe_route),
           ("block attention", check_attention), ("GDN block kernel", check_gdn), ("GDN inputs", check_gdn_inputs),
           ("masked-position sampling", check_sampling), ("RMSNorm", check_norm),
           ("tiny model, kernels vs torch", check_model)]
@@ -502,6 +552,11 @@ def main(argv=None) -> int:
         print(f"{status:>4}  {name:<32} {detail:<40} {secs:6.1f} s")
     for name, status in benches or [("benchmarks", "skipped")]:
         print(f"{'':>4}  {name + ' benchmark':<32} {status} (benchmarks/out/)")
+    kernels_json = HERE / "out" / "kernels.json"
+    if benches and kernels_json.exists() and kernels_json.stat().st_mtime >= t0:  # this run's, not an old one
+        goals = json.loads(kernels_json.read_text()).get("goals")
+        if goals:
+            runpy.run_path(str(HERE / "kernels.py"), run_name="goals")["print_goals"](goals)
     return 0 if all(s == "ok" for _, s, _, _ in results) else 1
 
 

@@ -124,8 +124,9 @@ def time_gemm(shape, m, cfg, planes, device, dtype, reps, cache, mma: bool = Fal
 
 
 def sweep_gemm(m, shapes, device, dtype, reps, deadline, smoke, arch, mma: bool = False) -> dict:
-    """Candidates scored on every shape; then stages 2 and 4 for the best three; the table's entry too (as
-    the launcher runs it). Shapes are the outer loop (one shape's rotated weights in memory at a time)."""
+    """Candidates scored on every shape; then stages 2 and 4 for the best three, and the three with their splits
+    summed by a second launch (_sum_splits, against the in-kernel sum); the table's entry too (as the launcher
+    runs it). Shapes are the outer loop (one shape's rotated weights in memory at a time)."""
     table = gemm_config_for(device, m)
     table_planes = table.block_k >= 128 and table.planes
     if mma:
@@ -160,6 +161,8 @@ def sweep_gemm(m, shapes, device, dtype, reps, deadline, smoke, arch, mma: bool 
                 c2 = replace(c, num_stages=st)
                 if fits(c2, arch) and (c2, r["planes"]) not in cands:
                     more.append((c2, r["planes"]))
+            if c.split_k > 1:  # the splits summed by a second launch (_sum_splits), as before the in-kernel sum
+                more.append((replace(c, sum_in_kernel=False), r["planes"]))
         results += run(more)
         results.sort(key=lambda r: r["step_s"])
     mine = next((r for r in results if configs.GemmConfig(**r["config"]) == table and r["planes"] == table_planes),
@@ -304,7 +307,7 @@ def fmt_moe(x: dict) -> str:
 def fmt_gemm(c: dict, planes: bool) -> str:
     return (f"BM {c['block_m']:>3} BN {c['block_n']:>3} BK {c['block_k']:>3} split<={c['split_k']} "
             f"w{c['num_warps']} st{c['num_stages']} {'planes' if planes else 'tile  '}"
-            f"{' swap' if c.get('swap') else ''}")
+            f"{' swap' if c.get('swap') else ''}{'' if c.get('sum_in_kernel', True) else ' sum launch'}")
 
 
 def main(argv=None) -> int:

@@ -45,6 +45,28 @@ def _tiny(tmp_path):
     return write_tiny_checkpoint(tmp_path / "tiny", seed=0)
 
 
+def test_kernel_goals_judged_on_the_runtime_path():
+    """Issue 4's goals from hand-made rows: only large shapes at M <= 16 count for bandwidth and 16-bit, every
+    row with an NF4 time for NF4, and each reports its worst row."""
+    goals = runpy.run_path(str(BENCH / "kernels.py"), run_name="bench")["goals"]
+
+    def row(shape, K, N, M, bw, x16, nf4=None):
+        return {"shape": shape, "K": K, "N": N, "M": M, "runtime_of_copy_bw": bw, "runtime_vs_16bit": x16,
+                "runtime_vs_nf4": nf4}
+
+    rows = [row("big", 2048, 4096, 1, 0.85, 3.6, 1.2), row("big", 2048, 4096, 16, 0.81, 3.5, 0.9),
+            row("big", 2048, 4096, 32, 0.10, 0.5, 1.1),  # M > 16: not judged on bandwidth or 16-bit
+            row("small", 2048, 512, 4, 0.05, 0.4)]  # under 8M weights: launch-bound, not judged; no NF4 time
+    g = goals(rows)
+    bw, x16, nf4 = g["copy_bandwidth_at_small_m"], g["vs_16bit_at_small_m"], g["vs_nf4_every_m"]
+    assert (bw["met"], bw["rows"], bw["below"], bw["worst"], bw["worst_value"]) == (True, 2, 0, "big M=16", 0.81)
+    assert (x16["met"], x16["worst_value"]) == (True, 3.5)  # the target itself counts as met
+    assert (nf4["met"], nf4["rows"], nf4["below"], nf4["worst"]) == (False, 3, 1, "big M=16")
+    rows[0]["runtime_of_copy_bw"] = 0.79
+    assert goals(rows)["copy_bandwidth_at_small_m"]["met"] is False
+    assert goals(rows[3:])["vs_nf4_every_m"]["met"] is None
+
+
 def test_kernel_benchmark_and_gpu_check_smoke(tmp_path, monkeypatch):
     """The GPU scripts run end to end on the CPU (Triton interpreter, tiny shapes), so a GPU session finds
     them working; on the CPU they report timings of the interpreter, which mean nothing. What the GPU run
@@ -74,9 +96,12 @@ def test_kernel_benchmark_and_gpu_check_smoke(tmp_path, monkeypatch):
     assert all((r["unpacked_tile_s"] is not None) == (r["M"] > 4) for r in data["dense"])
     assert all(r["weight_copies"] > 1 for r in data["dense"]) and data["moe"][0]["routings"] > 1  # rotated
     assert saved[0] == 0 and saved[-1] == len(data["dense"])  # the MoE timed with every dense row on disk
+    # The tiny shape is in the MMA order, as the modules would hold it; it is too small for the goals.
+    assert all(r["runtime_path"] == "mma" and r["runtime_s"] == r["mma_s"] for r in data["dense"])
+    assert {g["met"] for g in data["goals"].values()} == {None}
     check = runpy.run_path(str(BENCH / "gpu_check.py"), run_name="bench")
     # The whole-model check is covered by tests/test_kernels_model.py; here the per-kernel checks.
-    checks = ["matmul", "MoE", "attention", "GDN", "sampling", "RMSNorm"]
+    checks = ["matmul", "split", "MoE", "attention", "GDN", "sampling", "RMSNorm"]
     assert check["main"](["--smoke", "--no-bench", "--checks", *checks]) == 0
 
 

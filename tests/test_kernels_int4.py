@@ -87,6 +87,38 @@ def test_gemm_tiles_ragged_k_and_split_k(split_k, act_order, fused):
     torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", ["gemm", "gemv"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_split_k_summed_by_the_last_split_equals_the_separate_sum(kernel, fused):
+    """The last split of each output tile sums the tile's partials in the kernel (w4a16._last_split_sums):
+    the same values, bit for bit, as _sum_splits' launch after the kernel, and float64's within rounding; the
+    tiles' counters are back at zero after every launch, so calls on the same weights with other grids (more
+    rows, more tiles: the counters grow) and other splits reuse them. Under the memory check, the last split
+    reads the other splits' partials only after acquiring their counter."""
+    K, N = 320, 72  # 5 K tiles of 64 over 2 or 4 splits (ragged), 3 column tiles of 32 (ragged)
+    t, w = random_int4(K, N, 64, "gptq_v2", sym=False)
+    t2, w2 = random_int4(K, N, 64, "gptq_v2")
+    wt = Int4Weights(**t)
+    w2t = Int4Weights(**t2) if fused else None
+    for M, split in ((1, 2), (3, 4), (21, 4), (40, 2)) if kernel == "gemm" else ((1, 4), (4, 2), (2, 3)):
+        x = torch.randn(M, K, generator=GEN).half()
+        if kernel == "gemm":
+            cfg = configs.GemmConfig(16, 32, 64, split, 4, 1)
+            run = lambda c, x=x: gemm(x, wt, w2t, config=c)  # noqa: E731
+        else:
+            cfg = configs.GemvConfig(32, 64, 4, 1, split_k=split)
+            run = lambda c, x=x: gemv(x, wt, w2t, config=c)  # noqa: E731
+        y = run(cfg)
+        assert wt._tile_done is not None and not wt._tile_done.any()  # every tile's counter reset
+        assert torch.equal(y, run(replace(cfg, sum_in_kernel=False)))
+        ref = x.double() @ w.t()
+        if fused:
+            ref = torch.nn.functional.silu(ref) * (x.double() @ w2.t())
+        torch.testing.assert_close(y.double(), ref, atol=2e-2, rtol=2e-2)
+    tiles = {"gemm": 3 * 3, "gemv": 4 * 3}[kernel]  # the most a call above used: 40 rows / 16, or 4 rows
+    assert wt._tile_done.numel() >= tiles
+
+
 @pytest.mark.parametrize("K,group,split", [(256, 128, 1), (200, -1, 1), (384, -1, 2), (512, 256, 3)])
 @pytest.mark.parametrize("variant", ["dense", "experts-fused", "experts-scaled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

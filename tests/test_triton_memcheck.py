@@ -1,6 +1,7 @@
 """The memory check that every test runs under (tests/triton_memcheck.py, enabled in conftest) catches what
 it must: a planted load or store one element past a tensor or a view, programs storing to one address or
-reading what another stores, and nothing in correct kernels."""
+reading what another stores, and nothing in correct kernels, including a last-arriver reduction that an
+atomic counter orders (the split-K GEMM's)."""
 
 import pytest
 import torch
@@ -31,6 +32,23 @@ def _partial_sums(x_ptr, out_ptr, BLOCK: tl.constexpr, SHARED: tl.constexpr):
     pid = tl.program_id(0)
     total = tl.sum(tl.load(x_ptr + pid * BLOCK + tl.arange(0, BLOCK)), axis=0)
     tl.store(out_ptr + (0 if SHARED else pid), total)
+
+
+@triton.jit
+def _last_program_sums(x_ptr, part_ptr, out_ptr, count_ptr, BLOCK: tl.constexpr, SEM: tl.constexpr,
+                       LOAD_FIRST: tl.constexpr):
+    """Each program stores its block's sum at part[program]; the one that counts itself last on the counter
+    (acquiring it with SEM) adds the 4 partials into out[0] and resets the counter. LOAD_FIRST: it also reads
+    part[0] before counting, which nothing orders after program 0's store."""
+    pid = tl.program_id(0)
+    tl.store(part_ptr + pid, tl.sum(tl.load(x_ptr + pid * BLOCK + tl.arange(0, BLOCK)), axis=0))
+    early = 0.0
+    if LOAD_FIRST:
+        early = tl.load(part_ptr)
+    done = tl.atomic_add(count_ptr, 1, sem=SEM)
+    if done == tl.num_programs(0) - 1:
+        tl.store(out_ptr, tl.sum(tl.load(part_ptr + tl.arange(0, 4)), axis=0) + early * 0.0)
+        tl.atomic_xchg(count_ptr, 0)
 
 
 def _cause(e: pytest.ExceptionInfo):
@@ -76,3 +94,20 @@ def test_memcheck_catches_programs_that_race():
         with pytest.raises(Exception, match=r"programs \(0, 0, 0\) and \(1, 0, 0\) both store to") as e:
             _partial_sums[(2,)](x, sums, BLOCK=16, SHARED=True)
         assert isinstance(_cause(e), Race)
+
+
+def test_memcheck_accepts_reads_an_atomic_orders_and_catches_the_rest():
+    """A program may read what another stored when the writer released an atomic after its store that the
+    reader acquired before its load (the split-K GEMM's last split): not with relaxed atomics, nor for a load
+    made before the acquire."""
+    x = torch.randn(64)
+    part, out, count = torch.zeros(4), torch.zeros(1), torch.zeros(1, dtype=torch.int32)
+    with memcheck():
+        _last_program_sums[(4,)](x, part, out, count, BLOCK=16, SEM="acq_rel", LOAD_FIRST=False)
+        torch.testing.assert_close(out[0], x.sum())
+        assert int(count) == 0
+        for sem, load_first in (("relaxed", False), ("acq_rel", True)):
+            with pytest.raises(Exception, match="loads .* which program .* stores in the same launch") as e:
+                _last_program_sums[(4,)](x, part, out, count, BLOCK=16, SEM=sem, LOAD_FIRST=load_first)
+            assert isinstance(_cause(e), Race)
+            count.zero_()

@@ -6,9 +6,12 @@ two kinds of bug pass unseen there and fail on a GPU (shared DESIGN.md section 5
   touches under its mask must lie inside the memory span of one tensor passed to that launch (a view's
   span: from its first to its last element, by its strides).
 - a race between programs of one launch: on a GPU they run in no fixed order. No address may be stored by
-  two programs, or stored by one and loaded by another (our kernels use no atomics).
-`memcheck()` wraps the interpreter's loads, stores and launches to check both, as compute-sanitizer's
-memcheck and racecheck do on a GPU.
+  two programs, or stored by one and loaded by another, unless an atomic orders the two: the storing
+  program releases (an atomic with release semantics, after the store) the same address the loading one
+  acquires (before the load), and the release came first. That is how the split-K GEMM's last split reads
+  the others' partials (w4a16._last_split_sums); atomics themselves never race.
+`memcheck()` wraps the interpreter's loads, stores, atomics and launches to check both, as
+compute-sanitizer's memcheck and racecheck do on a GPU.
 """
 
 from __future__ import annotations
@@ -34,8 +37,14 @@ class _Launch:
     lo: np.ndarray  # sorted starts of the tensor arguments' byte spans
     hi: np.ndarray
     grid: tuple[int, int, int] = (1, 1, 1)
-    loads: list = field(default_factory=list)  # (addresses, program) per access
+    loads: list = field(default_factory=list)  # (addresses, program, sequence number) per access
     stores: list = field(default_factory=list)
+    atomics: list = field(default_factory=list)  # (addresses, program, sequence number, acquires, releases)
+    events: int = 0  # accesses so far: the interpreter's order, one program after another
+
+    def seq(self) -> int:
+        self.events += 1
+        return self.events
 
 
 def _spans(args) -> list[tuple[int, int]]:
@@ -67,13 +76,28 @@ def _check_bounds(launch: _Launch, kind: str, addr: np.ndarray, elt: int) -> Non
                           f"{bad:#x}{where}")
 
 
+def _flat(accesses: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(addresses, program, sequence number) per element of a list of (addresses, program, seq, ...)."""
+    return (np.concatenate([a[0] for a in accesses]),
+            np.concatenate([np.full(a[0].size, a[1], dtype=np.int64) for a in accesses]),
+            np.concatenate([np.full(a[0].size, a[2], dtype=np.int64) for a in accesses]))
+
+
+def _ordered(launch: _Launch, writer: int, stored: int, loader: int, loaded: int) -> bool:
+    """Whether `writer`'s store (sequence number `stored`) happens before `loader`'s load (`loaded`): the
+    writer released an address after the store that the loader acquired, later, before the load."""
+    releases = [(set(a.tolist()), q) for a, p, q, _, rel in launch.atomics if p == writer and rel and q > stored]
+    return any(q_acq > q_rel and addrs & set(a.tolist())
+               for a, p, q_acq, acq, _ in launch.atomics if p == loader and acq and q_acq < loaded
+               for addrs, q_rel in releases)
+
+
 def _check_races(launch: _Launch) -> None:
     if not launch.stores:
         return
-    s_addr = np.concatenate([a for a, _ in launch.stores])
-    s_prog = np.concatenate([np.full(a.size, p, dtype=np.int64) for a, p in launch.stores])
-    order = np.lexsort((s_prog, s_addr))
-    s_addr, s_prog = s_addr[order], s_prog[order]
+    s_addr, s_prog, s_seq = _flat(launch.stores)
+    order = np.lexsort((s_seq, s_prog, s_addr))
+    s_addr, s_prog, s_seq = s_addr[order], s_prog[order], s_seq[order]
     clash = (s_addr[1:] == s_addr[:-1]) & (s_prog[1:] != s_prog[:-1])
     if clash.any():
         k = int(np.argmax(clash))
@@ -81,18 +105,22 @@ def _check_races(launch: _Launch) -> None:
                    f"{int(s_addr[k]):#x} ({int(clash.sum())} such addresses): their order on a GPU is undefined")
     if not launch.loads:
         return
-    addr, first = np.unique(s_addr, return_index=True)
-    writer = s_prog[first]
-    l_addr = np.concatenate([a for a, _ in launch.loads])
-    l_prog = np.concatenate([np.full(a.size, p, dtype=np.int64) for a, p in launch.loads])
+    addr, last = np.unique(s_addr[::-1], return_index=True)  # each address's one writer, its last store
+    writer, stored = s_prog[::-1][last], s_seq[::-1][last]
+    l_addr, l_prog, l_seq = _flat(launch.loads)
     hit = np.isin(l_addr, addr)
-    w = writer[np.searchsorted(addr, l_addr[hit])]
+    at = np.searchsorted(addr, l_addr[hit])
+    w, ws = writer[at], stored[at]
     bad = w != l_prog[hit]
-    if bad.any():
-        k = int(np.argmax(bad))
-        raise Race(f"program {_pid(launch, l_prog[hit][k])} loads {int(l_addr[hit][k]):#x}, which program "
-                   f"{_pid(launch, w[k])} stores in the same launch: a dependency between programs, undefined "
-                   "on a GPU")
+    if not bad.any():
+        return
+    pairs = np.unique(np.stack([w[bad], ws[bad], l_prog[hit][bad], l_seq[hit][bad]], axis=1), axis=0)
+    for wp, wq, lp, lq in pairs.tolist():
+        if not _ordered(launch, wp, wq, lp, lq):
+            k = int(np.argmax(bad & (w == wp) & (l_prog[hit] == lp)))
+            raise Race(f"program {_pid(launch, lp)} loads {int(l_addr[hit][k]):#x}, which program "
+                       f"{_pid(launch, wp)} stores in the same launch: a dependency between programs, undefined "
+                       "on a GPU (unless an atomic the writer releases after its store is acquired before the load)")
 
 
 def _pid(launch: _Launch, flat: int) -> tuple[int, int, int]:
@@ -108,6 +136,7 @@ def memcheck():
     executor, builder = interpreter.GridExecutor, interpreter.InterpreterBuilder
     init_args, call = executor._init_args_hst, executor.__call__
     load, store, set_dim = builder.create_masked_load, builder.create_masked_store, builder.set_grid_dim
+    rmw, cas = builder.create_atomic_rmw, builder.create_atomic_cas
 
     def program(b) -> int:
         x, y, z = b.grid_idx
@@ -141,22 +170,40 @@ def memcheck():
             addr = _touched(ptrs, mask)
             elt = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
             _check_bounds(launches[-1], "load", addr, elt)
-            launches[-1].loads.append((addr, program(self)))
+            launches[-1].loads.append((addr, program(self), launches[-1].seq()))
         return load(self, ptrs, mask, other, *rest)
 
     def store_checked(self, ptrs, value, mask, *rest):
         if launches:
             addr = _touched(ptrs, mask)
             _check_bounds(launches[-1], "store", addr, value.data.dtype.itemsize)
-            launches[-1].stores.append((addr, program(self)))
+            launches[-1].stores.append((addr, program(self), launches[-1].seq()))
         return store(self, ptrs, value, mask, *rest)
+
+    def atomic(self, ptrs, mask, value, sem) -> None:
+        if launches:
+            addr = _touched(ptrs, mask)
+            _check_bounds(launches[-1], "atomic", addr, value.data.dtype.itemsize)
+            name = str(sem)
+            launches[-1].atomics.append((addr, program(self), launches[-1].seq(), "ACQUIRE" in name,
+                                         "RELEASE" in name))
+
+    def rmw_checked(self, op, ptrs, value, mask, sem, scope):
+        atomic(self, ptrs, mask, value, sem)
+        return rmw(self, op, ptrs, value, mask, sem, scope)
+
+    def cas_checked(self, ptrs, cmp, value, sem, scope):
+        atomic(self, ptrs, interpreter.TensorHandle(np.ones_like(ptrs.data, dtype=bool), None), value, sem)
+        return cas(self, ptrs, cmp, value, sem, scope)
 
     executor._init_args_hst, executor.__call__ = init_args_checked, call_checked
     builder.create_masked_load, builder.create_masked_store = load_checked, store_checked
     builder.set_grid_dim = set_dim_checked
+    builder.create_atomic_rmw, builder.create_atomic_cas = rmw_checked, cas_checked
     try:
         yield
     finally:
         executor._init_args_hst, executor.__call__ = init_args, call
         builder.create_masked_load, builder.create_masked_store = load, store
         builder.set_grid_dim = set_dim
+        builder.create_atomic_rmw, builder.create_atomic_cas = rmw, cas

@@ -43,6 +43,9 @@ class GemmConfig:
     # Weights in the MMA order: compute out^T = W^T x^T, the weights as the dot's first operand (see
     # mma_swap). None: mma_swap's rule; True/False: forced (the sweep, tests).
     swap: bool | None = None
+    # Split K: the last split of each output tile sums the partials (w4a16._last_split_sums, a counter per
+    # tile) instead of a second launch (_sum_splits) after every split GEMM.
+    sum_in_kernel: bool = True
 
     def smem_bytes(self, act_bytes: int = 2, gathered: bool = False, fused: bool = False) -> int:
         """Pipelined loads per stage (activation tile [BM, BK], packed weights [BK/8, BN] int32) plus one
@@ -72,6 +75,7 @@ class GemvConfig:
     num_stages: int = 2
     split_k: int = 1
     rows: int = 1  # MoE only: 2 runs two pairs of one expert per program (kernels/moe_gemv.py)
+    sum_in_kernel: bool = True  # as GemmConfig's (one-row tiles; the grouped GEMV keeps _sum_splits' launch)
 
     def smem_bytes(self, act_bytes: int = 2) -> int:
         return self.num_stages * (self.block_k * act_bytes + self.block_k * self.block_n // 2)

@@ -7,6 +7,8 @@ Two Triton kernels serve both dense linears and MoE experts (shared DESIGN.md se
   where padding every expert to a 16-row tile would waste most of the work. It works on the packed words as
   loaded (nibble planes, no int-to-float conversion) and splits K when too few programs would fill the GPU.
 Both can fuse SiLU(gate) * up (two weight sets, two accumulators) and a per-row scale (routing weight).
+With K split, each split stores fp32 partials and the last split of each output tile to finish sums them in
+the same launch (_last_split_sums: an atomic counter per tile), where a second launch used to.
 When BLOCK_K stays inside one group (no act-order g_idx) the scale and zero apply once per tile:
 out += s * (x . q - z * sum(x)) (DESIGN section 7); with an act-order g_idx they are gathered per element
 (the modules avoid that: QuantLinear.prepare reorders desc_act rows by group once, and x's columns are
@@ -329,18 +331,20 @@ def _tile_product(x, qw_ptr, sc_ptr, qz_ptr, gi_ptr, e, offs_k, offs_n, k_ok, n_
 
 @triton.jit
 def _gemm_kernel(
-    x_ptr, rows_ptr, tile_expert_ptr, out_ptr, row_scale_ptr, rank_ptr, count_ptr,
+    x_ptr, rows_ptr, tile_expert_ptr, out_ptr, row_scale_ptr, rank_ptr, count_ptr, sum_ptr, tile_done_ptr,
     qw_ptr, sc_ptr, qz_ptr, gi_ptr, qw2_ptr, sc2_ptr, qz2_ptr, gi2_ptr,
     M, N, K, k_per_split, group_size, zero_offset,
-    s_xm, s_xk, s_os, s_om, s_on,
+    s_xm, s_xk, s_os, s_om, s_on, s_fm, s_fn,
     s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_ROWS: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_GIDX: tl.constexpr, FUSE_GATE_UP: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, DOT_IEEE: tl.constexpr, PLANES: tl.constexpr, PARTIAL: tl.constexpr,
     PAIRS: tl.constexpr = False, EXPERT_RUNS: tl.constexpr = False, MMA_ORDER: tl.constexpr = 0,
-    MMA_SWAP: tl.constexpr = False,
+    MMA_SWAP: tl.constexpr = False, SUM_IN_KERNEL: tl.constexpr = False,
 ):
-    """MMA_SWAP (weights in the MMA order): the tile accumulated transposed, [BN, BM] (_mma_tile_product).
+    """SUM_IN_KERNEL (with PARTIAL): the last split of each output tile sums the tile's partials into sum_ptr
+    [M, N] (_last_split_sums), instead of a _sum_splits launch after this one.
+    MMA_SWAP (weights in the MMA order): the tile accumulated transposed, [BN, BM] (_mma_tile_product).
     EXPERT_RUNS: the M rows are (token, expert) pairs sorted by expert (moe_route.sort_pairs), and program
     p of axis 0 leads the run of up to BLOCK_M pairs of its expert that starts at pair p when p's rank among
     that expert's pairs is a multiple of BLOCK_M (tile_expert: each pair's expert). The others run no K loop
@@ -428,18 +432,23 @@ def _gemm_kernel(
     if HAS_ROW_SCALE:
         acc = acc * tl.load(row_scale_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if SUM_IN_KERNEL:
+        _last_split_sums(out_ptr, s_os, offs_m[:, None] * s_om + offs_n[None, :] * s_on, N * s_on,
+                         sum_ptr + offs_m[:, None] * s_fm + offs_n[None, :] * s_fn, m_ok[:, None] & n_ok[None, :],
+                         tile_done_ptr + pid_m * tl.num_programs(1) + pid_n, FUSE_GATE_UP)
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, rows_ptr, row_expert_ptr, out_ptr, row_scale_ptr,
+    x_ptr, rows_ptr, row_expert_ptr, out_ptr, row_scale_ptr, sum_ptr, tile_done_ptr,
     qw_ptr, sc_ptr, qz_ptr, gi_ptr, qw2_ptr, sc2_ptr, qz2_ptr, gi2_ptr,
     N, K, k_per_split, group_size, zero_offset,
-    s_xm, s_xk, s_os, s_om, s_on,
+    s_xm, s_xk, s_os, s_om, s_on, s_fm, s_fn,
     s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_ROWS: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_GIDX: tl.constexpr, FUSE_GATE_UP: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, MMA_ORDER: tl.constexpr = 0,
+    SUM_IN_KERNEL: tl.constexpr = False,
 ):
     """One row times one column tile over one K split. The tile's packed words [BK/8, BN] are used as they
     were loaded: row 8i + J of the tile is nibble J of word row i, so x's tile, loaded whole (8 strided
@@ -447,7 +456,8 @@ def _gemv_kernel(
     and the products accumulate elementwise in [BK/8, BN], reduced across rows once at the end. Without
     g_idx the tile lies in one group: acc += s * (sum_J x_J q_J - z * sum_J x_J), one scale and zero per
     column.
-    PARTIAL (split K): fp32 sums, gate and up side by side when fused, SiLU and the sum over splits after."""
+    PARTIAL (split K): fp32 sums, gate and up side by side when fused, SiLU and the sum over splits after
+    (SUM_IN_KERNEL: by the row tile's last split, as _gemm_kernel's)."""
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -527,6 +537,36 @@ def _gemv_kernel(
     if HAS_ROW_SCALE:
         res = res * tl.load(row_scale_ptr + p).to(tl.float32)
     tl.store(out, res.to(out_ptr.dtype.element_ty), mask=n_ok)
+    if SUM_IN_KERNEL:
+        _last_split_sums(out_ptr, s_os, p * s_om + offs_n * s_on, N * s_on, sum_ptr + p * s_fm + offs_n * s_fn,
+                         n_ok, tile_done_ptr + p * tl.num_programs(1) + pid_n, FUSE_GATE_UP)
+
+
+@triton.jit
+def _last_split_sums(part_ptr, s_split, part_offs, up_offset, sum_ptrs, mask, tile_done_ptr, GATED: tl.constexpr):
+    """Called by every split (axis 2) of an output tile once its fp32 partial is stored (at part_ptr + split *
+    s_split + part_offs; up's at up_offset further when GATED). The split that counts itself last on the tile's
+    counter sums the partials in split order, exactly as _sum_splits does, writes them (silu(gate) * up when
+    GATED) at sum_ptrs in their dtype, and sets the counter back to 0 for the next launch on these weights.
+    Ordering on a GPU: the barrier puts every thread's partial before the count, the counter's acquire-release
+    makes the other splits' partials visible to the last one, and its loads go to L2 (.cg), past an L1 that
+    may hold stale lines. One launch less after each split GEMM (_sum_splits' launch costs more than the sum)."""
+    tl.debug_barrier()
+    done = tl.atomic_add(tile_done_ptr, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    splits = tl.num_programs(2)
+    if done == splits - 1:
+        acc = tl.zeros_like(part_offs).to(tl.float32)
+        acc2 = tl.zeros_like(part_offs).to(tl.float32)
+        for s in range(splits):
+            acc += tl.load(part_ptr + s * s_split + part_offs, mask=mask, other=0.0, cache_modifier=".cg")
+            if GATED:
+                acc2 += tl.load(part_ptr + s * s_split + part_offs + up_offset, mask=mask, other=0.0,
+                                cache_modifier=".cg")
+        if GATED:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc2
+        tl.store(sum_ptrs, acc.to(sum_ptrs.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(tile_done_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -613,6 +653,15 @@ class Int4Weights:
         self.E, self.K, self.N, self.group_size = E, K, N, group_size
         self.perm = perm
         self.zero_offset = 1 if checkpoint_format == "gptq" else 0
+        self._tile_done: torch.Tensor | None = None
+
+    def tile_counters(self, tiles: int) -> torch.Tensor:
+        """Zeroed int32 counters, one per output tile, for the kernels' in-kernel sum over K splits
+        (_last_split_sums). Kept with the weights: every launch leaves them at zero again, so launches in
+        stream order (eager or replayed from a CUDA graph) share one set with no memset."""
+        if self._tile_done is None or self._tile_done.numel() < tiles:
+            self._tile_done = torch.zeros(tiles, dtype=torch.int32, device=self.qweight.device)
+        return self._tile_done
 
     def in_mma_order(self, order: int) -> Int4Weights:
         """These weights with a copy of the words rearranged in `order` (mma_layout.py)."""
@@ -776,12 +825,14 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
     w2a = w2.args() if w2 is not None else w.args()
     dummy = out
     rank, count = runs if runs is not None else (dummy, dummy)
+    in_kernel = split > 1 and sum_splits and cfg.sum_in_kernel
+    total, tile_done = _sum_target(in_kernel, M, w, cdt, grid, dummy)
     _gemm_kernel[grid](
         xc, rows if rows is not None else dummy, tile_expert if tile_expert is not None else dummy, out,
-        row_scale if row_scale is not None else dummy, rank, count,
+        row_scale if row_scale is not None else dummy, rank, count, total, tile_done,
         *w.args(), *w2a,
         M, w.N, w.K, k_per, w.group_size, w.zero_offset,
-        xc.stride(0), xc.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        xc.stride(0), xc.stride(1), out.stride(0), out.stride(1), out.stride(2), total.stride(-2), total.stride(-1),
         *w.strides(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
         HAS_ROWS=rows is not None, HAS_EXPERTS=tile_expert is not None, HAS_GIDX=w.g_idx is not None,
@@ -789,8 +840,10 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         PLANES=use_planes, PARTIAL=split > 1, PAIRS=use_planes and cfg.pairs and cdt != torch.float32,
         EXPERT_RUNS=runs is not None, MMA_ORDER=w.mma_order,
         MMA_SWAP=bool(w.mma_order) and configs.mma_swap(cfg, arch, w.mma_order, fp32=cdt == torch.float32),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SUM_IN_KERNEL=in_kernel, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if in_kernel:
+        return _as(total, x.dtype)
     return out if not sum_splits else _split_result(out, x, w, cdt, fused)
 
 
@@ -810,18 +863,23 @@ def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
     fused = w2 is not None
     w2a = w2.args() if fused else w.args()
     dummy = out
-    _gemv_kernel[(P, cdiv(w.N, cfg.block_n), out.shape[0])](
+    grid = (P, cdiv(w.N, cfg.block_n), out.shape[0])
+    in_kernel = out.shape[0] > 1 and sum_splits and cfg.sum_in_kernel
+    total, tile_done = _sum_target(in_kernel, P, w, cdt, grid, dummy)
+    _gemv_kernel[grid](
         xc, rows if rows is not None else dummy, row_expert if row_expert is not None else dummy, out,
-        row_scale if row_scale is not None else dummy,
+        row_scale if row_scale is not None else dummy, total, tile_done,
         *w.args(), *w2a,
         w.N, w.K, k_per, w.group_size, w.zero_offset,
-        xc.stride(0), xc.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        xc.stride(0), xc.stride(1), out.stride(0), out.stride(1), out.stride(2), total.stride(-2), total.stride(-1),
         *w.strides(),
         BLOCK_N=cfg.block_n, BLOCK_K=bk,
         HAS_ROWS=rows is not None, HAS_EXPERTS=row_expert is not None, HAS_GIDX=w.g_idx is not None,
         FUSE_GATE_UP=fused, HAS_ROW_SCALE=row_scale is not None, PARTIAL=out.shape[0] > 1, EVEN_K=w.K % bk == 0,
-        MMA_ORDER=w.mma_order, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        MMA_ORDER=w.mma_order, SUM_IN_KERNEL=in_kernel, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if in_kernel:
+        return _as(total, x.dtype)
     return out if not sum_splits else _split_result(out, x, w, cdt, fused)
 
 
@@ -853,6 +911,15 @@ def _split_buffer(split: int, rows: int, w: Int4Weights, fused: bool, cdt: torch
     side, 2N, when fused), else in the compute dtype."""
     width = 2 * w.N if fused and split > 1 else w.N
     return torch.empty(split, rows, width, device=device, dtype=torch.float32 if split > 1 else cdt)
+
+
+def _sum_target(in_kernel: bool, rows: int, w: Int4Weights, cdt: torch.dtype, grid: tuple[int, int, int],
+                dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output [rows, N] that the last split of each tile writes and the tiles' counters, when the splits are
+    summed in the kernel; else `dummy` for both (pointers the kernel never touches)."""
+    if not in_kernel:
+        return dummy, dummy
+    return (torch.empty(rows, w.N, device=dummy.device, dtype=cdt), w.tile_counters(grid[0] * grid[1]))
 
 
 def _split_result(out: torch.Tensor, x: torch.Tensor, w: Int4Weights, cdt: torch.dtype,
