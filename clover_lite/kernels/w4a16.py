@@ -654,12 +654,16 @@ class Int4Weights:
         self.perm = perm
         self.zero_offset = 1 if checkpoint_format == "gptq" else 0
         self._tile_done: torch.Tensor | None = None
+        self._outgrown: list[torch.Tensor] = []
 
     def tile_counters(self, tiles: int) -> torch.Tensor:
         """Zeroed int32 counters, one per output tile, for the kernels' in-kernel sum over K splits
         (_last_split_sums). Kept with the weights: every launch leaves them at zero again, so launches in
-        stream order (eager or replayed from a CUDA graph) share one set with no memset."""
+        stream order (eager or replayed from a CUDA graph) share one set with no memset. A set that a call
+        outgrows stays allocated: a CUDA graph captured with it still counts there when replayed."""
         if self._tile_done is None or self._tile_done.numel() < tiles:
+            if self._tile_done is not None:
+                self._outgrown.append(self._tile_done)
             self._tile_done = torch.zeros(tiles, dtype=torch.int32, device=self.qweight.device)
         return self._tile_done
 
