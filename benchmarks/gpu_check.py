@@ -485,6 +485,19 @@ def check_split_sum(device, gen, smoke) -> str:
             launches += repeats + 1
             if ws[0]._tile_done is not None and bool(ws[0]._tile_done.any()):
                 raise AssertionError("a tile's split counter was left non-zero after its launch")
+            if device.type == "cuda" and m > 4:  # weights first used inside a graph's capture (their counters
+                # made there: a captured memset), replayed, then called eagerly
+                fresh = Int4Weights(ws[0].qweight, ws[0].scales, ws[0].qzeros, G, mma_order=ws[0].mma_order)
+                graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.graph(graph, stream=stream):
+                    captured = gemm(x, fresh, ws[1] if fused else None, config=cfg)
+                graph.replay()
+                torch.cuda.synchronize()
+                eager = gemm(x, fresh, ws[1] if fused else None, config=cfg)
+                if not (torch.equal(captured, first) and torch.equal(eager, first)):
+                    raise AssertionError(f"split sum M={m} fused={fused}: weights first used in a graph's capture "
+                                         "gave another result (replayed, or eager after it)")
     return f"{launches} launches, all repeatable; max rel err {worst:.1e} vs the separate sum ({differ} not bitwise)"
 
 

@@ -121,6 +121,21 @@ def test_split_k_summed_by_the_last_split_equals_the_separate_sum(kernel, fused)
     assert wt._outgrown and all(not c.any() for c in wt._outgrown)
 
 
+def test_split_counters_are_not_replaced_while_a_graph_is_captured(monkeypatch):
+    """During a CUDA graph's capture a counter set's zeros would be a recorded memset, run only at replay: a
+    call that needs more tiles then gets a set of its own, and the weights keep theirs for eager calls."""
+    t, w = random_int4(128, 40, 64)
+    wt = Int4Weights(**t)
+    cfg = configs.GemmConfig(16, 32, 64, 2, 4, 1)
+    x = torch.randn(17, 128, generator=GEN)
+    gemm(x[:5], wt, config=cfg)  # one row tile x 2 column tiles
+    kept = wt._tile_done
+    monkeypatch.setattr(w4a16, "_capturing", lambda t: True)
+    y = gemm(x, wt, config=cfg)  # two row tiles: more counters than the weights hold
+    assert wt._tile_done is kept and kept.numel() == 2 and not wt._outgrown
+    torch.testing.assert_close(y.double(), x.double() @ w.t(), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("K,group,split", [(256, 128, 1), (200, -1, 1), (384, -1, 2), (512, 256, 3)])
 @pytest.mark.parametrize("variant", ["dense", "experts-fused", "experts-scaled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -602,6 +602,11 @@ def _sum_splits(partials: torch.Tensor, n: int, dtype: torch.dtype, gated: bool 
 
 
 # ---- launchers ---------------------------------------------------------------------------------------
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether work on t's device is being captured into a CUDA graph now (recorded, not run)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class Int4Weights:
     """GPTQ tensors of one linear ([K/8, N] ...) or a stack of experts ([E, K/8, N] ...), validated."""
 
@@ -660,12 +665,18 @@ class Int4Weights:
         """Zeroed int32 counters, one per output tile, for the kernels' in-kernel sum over K splits
         (_last_split_sums). Kept with the weights: every launch leaves them at zero again, so launches in
         stream order (eager or replayed from a CUDA graph) share one set with no memset. A set that a call
-        outgrows stays allocated: a CUDA graph captured with it still counts there when replayed."""
-        if self._tile_done is None or self._tile_done.numel() < tiles:
-            if self._tile_done is not None:
-                self._outgrown.append(self._tile_done)
-            self._tile_done = torch.zeros(tiles, dtype=torch.int32, device=self.qweight.device)
-        return self._tile_done
+        outgrows stays allocated: a CUDA graph captured with it still counts there when replayed. While a
+        graph is being captured, a set too small is not replaced: the zeros of a new one would be a captured
+        memset, not yet run, so that call gets a set of its own, zeroed in the graph before its launch."""
+        if self._tile_done is not None and self._tile_done.numel() >= tiles:
+            return self._tile_done
+        fresh = torch.zeros(tiles, dtype=torch.int32, device=self.qweight.device)
+        if _capturing(self.qweight):
+            return fresh
+        if self._tile_done is not None:
+            self._outgrown.append(self._tile_done)
+        self._tile_done = fresh
+        return fresh
 
     def in_mma_order(self, order: int) -> Int4Weights:
         """These weights with a copy of the words rearranged in `order` (mma_layout.py)."""
