@@ -105,6 +105,23 @@ def test_kernel_benchmark_and_gpu_check_smoke(tmp_path, monkeypatch):
     assert check["main"](["--smoke", "--no-bench", "--checks", *checks]) == 0
 
 
+def test_gpu_check_names_the_first_module_that_diverges(tmp_path):
+    """When the kernels' logits miss the reference, gpu_check names the first module (in execution order) whose
+    output differs: here one linear of layer 1 with a perturbed weight, not the modules after it."""
+    import clover_lite
+
+    first_divergence = runpy.run_path(str(BENCH / "gpu_check.py"), run_name="bench")["first_divergence"]
+    src = _tiny(tmp_path)
+    ref, test = (clover_lite.load(src, device="cpu", kernels="torch").model for _ in range(2))
+    ids = torch.randint(0, ref.config.vocab_size, (1, 12))
+    assert first_divergence(ref, test, ids, block_size=4).startswith("no module over")
+    weight = test.layers[1].linear_attn.out_proj.weight
+    with torch.no_grad():
+        weight.add_(0.05 * torch.randn_like(weight))
+    report = first_divergence(ref, test, ids, block_size=4)
+    assert report.startswith("first module over 1e-03: layers.1.linear_attn.out_proj ("), report
+
+
 def test_gpu_session_script_runs_its_check(tmp_path):
     """The one command a GPU session runs (benchmarks/gpu_session.sh), as the device runs it: its arguments
     reach gpu_check.py intact (a session's device time is lost to a usage error) and the log lands in $OUT."""
