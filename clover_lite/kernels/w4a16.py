@@ -840,8 +840,7 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
     w2a = w2.args() if w2 is not None else w.args()
     dummy = out
     rank, count = runs if runs is not None else (dummy, dummy)
-    in_kernel = split > 1 and sum_splits and cfg.sum_in_kernel
-    total, tile_done = _sum_target(in_kernel, M, w, cdt, grid, dummy)
+    in_kernel, total, tile_done = _sum_target(split, sum_splits, cfg, M, w, cdt, grid, dummy)
     _gemm_kernel[grid](
         xc, rows if rows is not None else dummy, tile_expert if tile_expert is not None else dummy, out,
         row_scale if row_scale is not None else dummy, rank, count, total, tile_done,
@@ -857,9 +856,7 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         MMA_SWAP=bool(w.mma_order) and configs.mma_swap(cfg, arch, w.mma_order, fp32=cdt == torch.float32),
         SUM_IN_KERNEL=in_kernel, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if in_kernel:
-        return _as(total, x.dtype)
-    return out if not sum_splits else _split_result(out, x, w, cdt, fused)
+    return out if not sum_splits else _split_result(out, x, w, cdt, fused, total if in_kernel else None)
 
 
 def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: torch.Tensor | None = None,
@@ -879,8 +876,7 @@ def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
     w2a = w2.args() if fused else w.args()
     dummy = out
     grid = (P, cdiv(w.N, cfg.block_n), out.shape[0])
-    in_kernel = out.shape[0] > 1 and sum_splits and cfg.sum_in_kernel
-    total, tile_done = _sum_target(in_kernel, P, w, cdt, grid, dummy)
+    in_kernel, total, tile_done = _sum_target(out.shape[0], sum_splits, cfg, P, w, cdt, grid, dummy)
     _gemv_kernel[grid](
         xc, rows if rows is not None else dummy, row_expert if row_expert is not None else dummy, out,
         row_scale if row_scale is not None else dummy, total, tile_done,
@@ -893,9 +889,7 @@ def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         FUSE_GATE_UP=fused, HAS_ROW_SCALE=row_scale is not None, PARTIAL=out.shape[0] > 1, EVEN_K=w.K % bk == 0,
         MMA_ORDER=w.mma_order, SUM_IN_KERNEL=in_kernel, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if in_kernel:
-        return _as(total, x.dtype)
-    return out if not sum_splits else _split_result(out, x, w, cdt, fused)
+    return out if not sum_splits else _split_result(out, x, w, cdt, fused, total if in_kernel else None)
 
 
 def _gemv_plan(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None, P: int, config, moe: bool,
@@ -928,19 +922,23 @@ def _split_buffer(split: int, rows: int, w: Int4Weights, fused: bool, cdt: torch
     return torch.empty(split, rows, width, device=device, dtype=torch.float32 if split > 1 else cdt)
 
 
-def _sum_target(in_kernel: bool, rows: int, w: Int4Weights, cdt: torch.dtype, grid: tuple[int, int, int],
-                dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output [rows, N] that the last split of each tile writes and the tiles' counters, when the splits are
-    summed in the kernel; else `dummy` for both (pointers the kernel never touches)."""
-    if not in_kernel:
-        return dummy, dummy
-    return (torch.empty(rows, w.N, device=dummy.device, dtype=cdt), w.tile_counters(grid[0] * grid[1]))
+def _sum_target(split: int, sum_splits: bool, cfg: configs.GemmConfig | configs.GemvConfig, rows: int,
+                w: Int4Weights, cdt: torch.dtype, grid: tuple[int, int, int],
+                dummy: torch.Tensor) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """Whether the kernel sums its K splits itself (more than one, summed, and the config's sum_in_kernel),
+    with the output [rows, N] that the last split of each tile writes and the tiles' counters; else `dummy`
+    for both (pointers the kernel never touches)."""
+    if not (split > 1 and sum_splits and cfg.sum_in_kernel):
+        return False, dummy, dummy
+    return True, torch.empty(rows, w.N, device=dummy.device, dtype=cdt), w.tile_counters(grid[0] * grid[1])
 
 
 def _split_result(out: torch.Tensor, x: torch.Tensor, w: Int4Weights, cdt: torch.dtype,
-                  fused: bool) -> torch.Tensor:
-    """[rows, N] in x's dtype from a _split_buffer: the one split, or the partials summed (with the fused
-    SiLU, which is not linear: after the sum)."""
+                  fused: bool, summed: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows, N] in x's dtype from a _split_buffer: the one split, the partials summed (with the fused
+    SiLU, which is not linear: after the sum), or `summed` where the kernel's last splits did that."""
+    if summed is not None:
+        return _as(summed, x.dtype)
     if out.shape[0] == 1:
         return _as(out[0], x.dtype)
     return _as(_sum_splits(out, w.N, cdt, gated=fused), x.dtype)
