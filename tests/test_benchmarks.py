@@ -352,6 +352,7 @@ def test_rules_probe_finds_every_premise_copy(tmp_path):
                                     for w in heads.values())
 
 
+@pytest.mark.unpoisoned
 def test_launch_count_of_a_step_has_no_elementwise_glue_in_the_layers():
     """benchmarks/launches.py: on the Triton path a step's GDN, attention and MoE layers issue torch operators
     only for their unquantized matmuls (GDN a/b, the router with the shared expert's gate); every other

@@ -111,3 +111,18 @@ def test_memcheck_accepts_reads_an_atomic_orders_and_catches_the_rest():
                 _last_program_sums[(4,)](x, part, out, count, BLOCK=16, SEM=sem, LOAD_FIRST=load_first)
             assert isinstance(_cause(e), Race)
             count.zero_()
+
+
+def test_uninitialized_memory_is_poison_in_every_test():
+    """conftest poisons torch.empty and its kin (tests/poison_empty.py): a kernel that leaves part of its
+    output unwritten, or reads an element nobody wrote, gives NaN on the CPU as it gives garbage on a GPU,
+    where a fresh zero page would have hidden it. Meta tensors and `with torch.device` still work."""
+    n = 37
+    x = torch.randn(n)
+    for y in (torch.empty(n), torch.empty_like(x), x.new_empty(n), torch.empty_strided((n,), (1,))):
+        _copy[(1,)](x, y, n, n - 5, BLOCK=64)  # the last 5 elements are never stored
+        assert torch.equal(y[:n - 5], x[:n - 5]) and y[n - 5:].isnan().all()
+    for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+        assert (torch.empty(4, dtype=dtype) > 32).all()  # as an index: past the end of any small tensor
+    with torch.device("meta"):
+        assert torch.empty(1 << 40).device.type == "meta"  # no fill of a would-be 4 TB tensor
