@@ -12,6 +12,7 @@ and the date into benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import runpy
@@ -556,6 +557,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU with TRITON_INTERPRET=1)")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--checks", nargs="+", help="run only the checks whose names contain these words")
+    ap.add_argument("--no-poison", action="store_true",
+                    help="run the checks on torch.empty's memory as it comes, not poisoned (tests/poison_empty.py)")
     ap.add_argument("--time-limit", type=int, default=540,
                     help="seconds for the whole run; the benchmarks share what the checks leave")
     args = ap.parse_args(argv)
@@ -568,15 +571,21 @@ def main(argv=None) -> int:
     # autotuning (dozens of candidate compiles per shape) would spend minutes of device time checking nothing.
     autotune = os.environ.get("CLOVER_AUTOTUNE")
     os.environ["CLOVER_AUTOTUNE"] = "0"
-    for name, fn in CHECKS:
-        if args.checks and not any(w in name for w in args.checks):
-            continue
-        t = time.time()
-        try:
-            results.append((name, "ok", fn(device, gen, smoke), time.time() - t))
-        except Exception as e:  # report every check, then fail
-            traceback.print_exc()
-            results.append((name, "FAIL", str(e)[:100], time.time() - t))
+    # Uninitialized memory is NaN (or an out-of-range index) during the checks, as in every test: a kernel
+    # that reads an element nobody wrote, in a path only a GPU runs (CUDA graphs, the tables' tiles), then
+    # fails with NaN where the caching allocator would have handed it a previous tensor's plausible values.
+    poison = contextlib.nullcontext() if args.no_poison else \
+        runpy.run_path(str(HERE.parent / "tests" / "poison_empty.py"))["poisoned_empty"]()
+    with poison:
+        for name, fn in CHECKS:
+            if args.checks and not any(w in name for w in args.checks):
+                continue
+            t = time.time()
+            try:
+                results.append((name, "ok", fn(device, gen, smoke), time.time() - t))
+            except Exception as e:  # report every check, then fail
+                traceback.print_exc()
+                results.append((name, "FAIL", str(e)[:100], time.time() - t))
     if autotune is None:
         os.environ.pop("CLOVER_AUTOTUNE")
     else:
@@ -603,7 +612,8 @@ def main(argv=None) -> int:
             except subprocess.TimeoutExpired:
                 benches.append((name, f"stopped at its limit, {limit} s"))
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
-    print(f"\n== gpu_check on {card}, {time.strftime('%Y-%m-%d')}, {time.time() - t0:.0f} s ==")
+    print(f"\n== gpu_check on {card}, {time.strftime('%Y-%m-%d')}, {time.time() - t0:.0f} s"
+          f"{', torch.empty as it comes' if args.no_poison else ', uninitialized memory poisoned'} ==")
     for name, status, detail, secs in results:
         print(f"{status:>4}  {name:<32} {detail:<40} {secs:6.1f} s")
     for name, status in benches or [("benchmarks", "skipped")]:

@@ -105,6 +105,26 @@ def test_kernel_benchmark_and_gpu_check_smoke(tmp_path, monkeypatch):
     assert check["main"](["--smoke", "--no-bench", "--checks", *checks]) == 0
 
 
+
+@pytest.mark.unpoisoned
+def test_gpu_check_runs_its_checks_on_poisoned_memory(capsys):
+    """On the GPU (where no conftest poisons torch.empty) gpu_check poisons uninitialized memory itself for
+    its checks, so a kernel reading an element nobody wrote fails there with NaN; --no-poison opts out."""
+    main = runpy.run_path(str(BENCH / "gpu_check.py"), run_name="bench")["main"]
+    seen = []
+
+    def reads_fresh_memory(device, gen, smoke):
+        seen.append(bool(torch.empty(64).isnan().all()))
+        return "read"
+
+    main.__globals__["CHECKS"] = [("fresh memory", reads_fresh_memory)]
+    empty = torch.empty
+    assert main(["--smoke", "--no-bench"]) == 0 and seen == [True]
+    assert "uninitialized memory poisoned" in capsys.readouterr().out
+    assert torch.empty is empty  # restored after the checks, before the benchmarks
+    main(["--smoke", "--no-bench", "--no-poison"])
+    assert "torch.empty as it comes" in capsys.readouterr().out
+
 def test_gpu_check_names_the_first_module_that_diverges(tmp_path):
     """When the kernels' logits miss the reference, gpu_check names the first module (in execution order) whose
     output differs: here one linear of layer 1 with a perturbed weight, not the modules after it."""
