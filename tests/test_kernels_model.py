@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 import clover_lite  # noqa: E402
 from clover_lite.kernels import dispatch  # noqa: E402
 
-from .host_sync import HostSyncTrap  # noqa: E402
+from .host_sync import HostSyncTrap, LaunchRecorder, first_difference  # noqa: E402
 
 
 def test_host_sync_trap_catches_syncs():
@@ -20,6 +20,38 @@ def test_host_sync_trap_catches_syncs():
             op()
     with HostSyncTrap():  # what a captured step may do
         torch.topk(x, 2), x[torch.tensor([1, 3])], torch.argsort(x), x.clone().index_put_((torch.tensor([0]),), x[:1])
+
+
+def test_launch_recorder_sees_what_a_graph_would_freeze():
+    """Two runs record equal launches only if every grid, scalar and tensor layout a graph would freeze is
+    the same: here an RMSNorm kernel's eps (a host value) and a sliced input's shape, and a persistent weight
+    told from a temporary."""
+    from clover_lite.kernels.norm import rms_norm
+
+    x, w = torch.randn(6, 32), torch.randn(32)
+
+    def record(eps: float, rows: int, weight: torch.Tensor) -> list:
+        with LaunchRecorder({w.untyped_storage().data_ptr(): "w"}) as rec:
+            rms_norm(x[:rows], weight, eps)
+        return rec.launches
+
+    base = record(1e-6, 6, w)
+    assert any(launch[0] == "_rms_norm_kernel" for launch in base)
+    assert first_difference(base, record(1e-6, 6, w)) is None
+    for other in (record(1e-5, 6, w), record(1e-6, 5, w), record(1e-6, 6, w.clone())):
+        assert first_difference(base, other) is not None
+
+
+def _persistent_buffers(engine) -> dict[int, str]:
+    """Storage address -> name of what a captured step reads in place: the model's parameters and buffers,
+    the cache's tensors and the static step's input buffers."""
+    named = dict(engine.model.named_parameters())
+    named.update(engine.model.named_buffers())
+    for field in ("keys", "values", "recurrent", "conv"):
+        named.update({f"cache.{field}[{i}]": t for i, t in enumerate(getattr(engine._cache, field)) if t is not None})
+    s = engine._static
+    named.update({"static.ids": s.ids, "static.length": s.length, "static.offsets": s.offsets})
+    return {t.untyped_storage().data_ptr(): name for name, t in named.items()}
 
 
 def _pair(path):
@@ -52,8 +84,9 @@ def test_sampling_with_kernels_is_seeded(tiny2_dir):
 def test_static_step_equals_the_step_and_generation(tiny2_dir, tmp_path):
     """The CUDA-graph step and commit (static shapes, cache length read on the device) run eagerly here: the
     step's logits equal the dynamic step's at several cache lengths, the commit leaves the cache as the
-    reference commit does, neither waits for the device (which capture forbids), and a generation through
-    them equals the reference's."""
+    reference commit does, neither waits for the device (which capture forbids) nor launches anything at one
+    cache length that it does not launch alike at the other (a graph captured at one replays at every
+    length), and a generation through them equals the reference's."""
     from clover_lite.graph import StaticStep
     from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
 
@@ -62,13 +95,25 @@ def test_static_step_equals_the_step_and_generation(tiny2_dir, tmp_path):
     eng = clover_lite.load(q, device="cpu", kernels="triton", static_step=True, context=64)
     assert isinstance(eng._static, StaticStep) and eng._static.num_splits >= 1
     gen = torch.Generator().manual_seed(3)
+    persistent = _persistent_buffers(eng)
+    recorded = []  # per cache length: the step's launches, then the commit's
     with torch.no_grad():
         for n in (0, 12):  # an empty cache, and a cache of three blocks
             ids = torch.randint(0, 256, (1, n + 4), generator=gen)
             eng._cache.reset()
             eng.model.prefill(ids[:, :n], eng._cache, 4)
-            with HostSyncTrap():  # what capture needs: the whole step runs without waiting for the device
-                static = eng._static(ids[:, n:])[0]
+            static = eng._static(ids[:, n:])[0]  # a warm-up, as capture's
+            # What capture needs: the whole step runs without waiting for the device, and launches what it
+            # launched at the other length, so that a graph captured at one replays at any.
+            with HostSyncTrap(), LaunchRecorder(persistent) as step:
+                again = eng._static.forward()[0]
+            assert torch.equal(again, static)
+            eng._static._load(ids[0, n:].tolist())
+            with LaunchRecorder(persistent) as commit:
+                eng._static.forward(commit=True)
+            eng._cache.reset()  # undo the recorded commit: the one checked below runs through commit()
+            eng.model.prefill(ids[:, :n], eng._cache, 4)
+            recorded.append((step.launches, commit.launches))
             cache = ref.model.new_cache()
             ref.model.prefill(ids[:, :n], cache, 4)
             dynamic, _ = ref.model.step(ids[:, n:], cache)
@@ -88,6 +133,10 @@ def test_static_step_equals_the_step_and_generation(tiny2_dir, tmp_path):
             for i in ref.model.config.gdn_layers:
                 for mine, theirs in zip(eng._cache.gdn_state(i), cache.gdn_state(i), strict=True):
                     torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+    for i, what in enumerate(("step", "commit")):
+        assert recorded[0][i], what
+        assert first_difference(recorded[0][i], recorded[1][i]) is None, (what, first_difference(
+            recorded[0][i], recorded[1][i]))
     # The forced GEMV MoE path is the static step's alone: prefill and commit keep the shape-based choice.
     assert eng._static.experts and not any(e.graph_safe for e in eng._static.experts)
     assert "up to 64" in StaticStep.supported(eng.model, 65)  # longer blocks: the eager step
