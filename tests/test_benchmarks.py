@@ -142,6 +142,48 @@ def test_gpu_check_names_the_first_module_that_diverges(tmp_path):
     assert report.startswith("first module over 1e-03: layers.1.linear_attn.out_proj ("), report
 
 
+
+def test_gpu_check_compares_the_static_steps_replays_with_the_eager_step():
+    """gpu_check's model check measures the captured step against Denoiser.step at three cache lengths (on a
+    GPU the graph captured at an empty cache replays at each; tests/test_kernels_model.py checks the static
+    step itself). Here on stand-ins whose logits depend on the ids and the committed length: equal steps
+    agree, and a static step that is off at one length only is reported."""
+    step_error = runpy.run_path(str(BENCH / "gpu_check.py"), run_name="bench")["_static_step_error"]
+
+    class Cache:
+        def __init__(self, capacity):
+            self.capacity, self.length = capacity, 0
+
+        def reset(self):
+            self.length = 0
+
+    def logits(block_ids, length):
+        return torch.sin(block_ids.float()[..., None] * (length + 1) + torch.arange(5))
+
+    class Model:
+        def new_cache(self, capacity):
+            return Cache(capacity)
+
+        def prefill(self, ids, cache, block):
+            cache.length = ids.shape[1]
+
+        def step(self, block_ids, cache):
+            return logits(block_ids, cache.length), None
+
+    class Static:
+        block_size, cache, wrong_at = 4, Cache(32), None
+
+        def __call__(self, block_ids):
+            out = logits(torch.tensor(block_ids)[None], self.cache.length)
+            return out + 0.1 if self.cache.length == self.wrong_at else out
+
+    engine = type("Engine", (), {"model": Model(), "_static": Static()})()
+    ids = torch.randint(0, 256, (1, 20))
+    assert step_error(engine, ids) == 0.0 and engine._static.cache.length == 0
+    for n in (0, 8, 16):  # every length it covers: none, two blocks, all but the last block
+        engine._static.wrong_at = n
+        assert step_error(engine, ids) > 0.09, n
+
 def test_gpu_session_script_runs_its_check(tmp_path):
     """The one command a GPU session runs (benchmarks/gpu_session.sh), as the device runs it: its arguments
     reach gpu_check.py intact (a session's device time is lost to a usage error) and the log lands in $OUT."""
