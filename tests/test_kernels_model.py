@@ -81,8 +81,21 @@ def test_sampling_with_kernels_is_seeded(tiny2_dir):
     assert tri.generate([1, 2, 3], **kw).token_ids == tri.generate([1, 2, 3], **kw).token_ids
 
 
-def test_static_step_equals_the_step_and_generation(tiny2_dir, tmp_path):
-    """The CUDA-graph step and commit (static shapes, cache length read on the device) run eagerly here: the
+def _as_on_gpu(monkeypatch, arch: str) -> None:
+    """Every kernel launcher takes what it would on the named GPU with 132 SMs (its table's tiles, split-K
+    filling the SMs, the MoE GEMV's entry), still run by the interpreter."""
+    from clover_lite.kernels import attention, moe, w4a16
+
+    for module in (w4a16, moe, attention):
+        monkeypatch.setattr(module, "_arch", lambda device: arch)
+    monkeypatch.setattr(w4a16, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
+
+
+@pytest.mark.parametrize("arch", [None, "sm_90"])
+def test_static_step_equals_the_step_and_generation(tiny2_dir, tmp_path, monkeypatch, arch):
+    """The CUDA-graph step and commit (static shapes, cache length read on the device) run eagerly here, with
+    the interpreter's configs and with an H200's (`arch`): the
     step's logits equal the dynamic step's at several cache lengths, the commit leaves the cache as the
     reference commit does, neither waits for the device (which capture forbids) nor launches anything at one
     cache length that it does not launch alike at the other (a graph captured at one replays at every
@@ -91,6 +104,8 @@ def test_static_step_equals_the_step_and_generation(tiny2_dir, tmp_path):
     from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
 
     q = quantize_model(tiny2_dir, tmp_path / "q", QuantizeOptions(group_size=32, nsamples=4, seqlen=32)).out
+    if arch:
+        _as_on_gpu(monkeypatch, arch)
     ref = clover_lite.load(q, device="cpu")
     eng = clover_lite.load(q, device="cpu", kernels="triton", static_step=True, context=64)
     assert isinstance(eng._static, StaticStep) and eng._static.num_splits >= 1
@@ -157,7 +172,7 @@ def test_kernels_at_a_gpus_table_configs_match_the_reference(request, tmp_path, 
     `runs`: the step's MoE in expert runs at the sweep's 16 x 128 x 128 tile (configs.MOE_RUNS_TABLE).
     Hidden size 128 in groups of 128: most linears and the experts in the MMA order, with its 128-row tiles.
     (Call 3's fp32 model check failed on an H200: this rules out the configs' logic, not the GPU's code.)"""
-    from clover_lite.kernels import attention, configs, moe, w4a16
+    from clover_lite.kernels import configs, moe
     from clover_lite.models.quantized import QuantLinear
     from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
 
@@ -167,10 +182,7 @@ def test_kernels_at_a_gpus_table_configs_match_the_reference(request, tmp_path, 
         gemm = moe.gemm
         monkeypatch.setattr(moe, "gemm",
                             lambda *a, **kw: took_runs.append(kw.get("runs") is not None) or gemm(*a, **kw))
-    for module in (w4a16, moe, attention):
-        monkeypatch.setattr(module, "_arch", lambda device: arch)
-    monkeypatch.setattr(w4a16, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
+    _as_on_gpu(monkeypatch, arch)
     src = request.getfixturevalue("tiny2_dir" if hidden == 64 else "tiny128_dir")
     q = quantize_model(src, tmp_path / "q", QuantizeOptions(group_size=hidden // 2 if hidden == 64 else 128,
                                                             nsamples=4, seqlen=32)).out
