@@ -1,7 +1,7 @@
 """The memory check that every test runs under (tests/triton_memcheck.py, enabled in conftest) catches what
 it must: a planted load or store one element past a tensor or a view, programs storing to one address or
-reading what another stores, and nothing in correct kernels, including a last-arriver reduction that an
-atomic counter orders (the split-K GEMM's)."""
+reading what another stores, a program reading back its own store with no barrier, and nothing in correct
+kernels, including a last-arriver reduction that an atomic counter orders (the split-K GEMM's)."""
 
 import pytest
 import torch
@@ -36,16 +36,21 @@ def _partial_sums(x_ptr, out_ptr, BLOCK: tl.constexpr, SHARED: tl.constexpr):
 
 @triton.jit
 def _last_program_sums(x_ptr, part_ptr, out_ptr, count_ptr, BLOCK: tl.constexpr, SEM: tl.constexpr,
-                       LOAD_FIRST: tl.constexpr):
+                       LOAD_FIRST: tl.constexpr, BARRIER: tl.constexpr = True):
     """Each program stores its block's sum at part[program]; the one that counts itself last on the counter
-    (acquiring it with SEM) adds the 4 partials into out[0] and resets the counter. LOAD_FIRST: it also reads
-    part[0] before counting, which nothing orders after program 0's store."""
+    (acquiring it with SEM) adds the 4 partials into out[0], its own among them, and resets the counter.
+    BARRIER: barriers before the count and after it, as the split-K sum has (one thread counts). LOAD_FIRST:
+    it also reads part[0] before counting, which nothing orders after program 0's store."""
     pid = tl.program_id(0)
     tl.store(part_ptr + pid, tl.sum(tl.load(x_ptr + pid * BLOCK + tl.arange(0, BLOCK)), axis=0))
+    if BARRIER:
+        tl.debug_barrier()
     early = 0.0
     if LOAD_FIRST:
         early = tl.load(part_ptr)
     done = tl.atomic_add(count_ptr, 1, sem=SEM)
+    if BARRIER:
+        tl.debug_barrier()
     if done == tl.num_programs(0) - 1:
         tl.store(out_ptr, tl.sum(tl.load(part_ptr + tl.arange(0, 4)), axis=0) + early * 0.0)
         tl.atomic_xchg(count_ptr, 0)
@@ -111,6 +116,11 @@ def test_memcheck_accepts_reads_an_atomic_orders_and_catches_the_rest():
                 _last_program_sums[(4,)](x, part, out, count, BLOCK=16, SEM=sem, LOAD_FIRST=load_first)
             assert isinstance(_cause(e), Race)
             count.zero_()
+        # Without the barrier the last program reads its own partial unordered: the thread that stored it
+        # need not be the one that loads it.
+        with pytest.raises(Exception, match="loads an address it stored, with no tl.debug_barrier") as e:
+            _last_program_sums[(4,)](x, part, out, count, BLOCK=16, SEM="acq_rel", LOAD_FIRST=False, BARRIER=False)
+        assert isinstance(_cause(e), Race)
 
 
 def test_uninitialized_memory_is_poison_in_every_test():

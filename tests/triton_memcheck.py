@@ -1,16 +1,19 @@
 """Memory errors of interpreted Triton kernels, caught on the CPU: out-of-bounds accesses and races.
 
 The interpreter reads any host address it is given and runs a launch's programs one after another, so
-two kinds of bug pass unseen there and fail on a GPU (shared DESIGN.md section 5):
+three kinds of bug pass unseen there and fail on a GPU (shared DESIGN.md section 5):
 - an access past a tensor's end: garbage or an illegal-address crash on a GPU. Every address a kernel
   touches under its mask must lie inside the memory span of one tensor passed to that launch (a view's
   span: from its first to its last element, by its strides).
 - a race between programs of one launch: on a GPU they run in no fixed order. No address may be stored by
   two programs, or stored by one and loaded by another, unless an atomic orders the two: the storing
-  program releases (an atomic with release semantics, after the store) the same address the loading one
-  acquires (before the load), and the release came first. That is how the split-K GEMM's last split reads
-  the others' partials (w4a16._last_split_sums); atomics themselves never race.
-`memcheck()` wraps the interpreter's loads, stores, atomics and launches to check both, as
+  program releases (an atomic with release semantics, after the store and a barrier) the same address the
+  loading one acquires (before a barrier and the load), and the release came first. That is how the
+  split-K GEMM's last split reads the others' partials (w4a16._last_split_sums); atomics never race.
+- a race inside one program: its threads are not ordered either, so a program that loads an address it
+  stored must have a barrier (tl.debug_barrier()) between the two, as the split-K sum has before it reads
+  its own partial back.
+`memcheck()` wraps the interpreter's loads, stores, atomics, barriers and launches to check all three, as
 compute-sanitizer's memcheck and racecheck do on a GPU.
 """
 
@@ -41,6 +44,8 @@ class _Launch:
     stores: list = field(default_factory=list)
     atomics: list = field(default_factory=list)  # (addresses, program, sequence number, acquires, releases)
     events: int = 0  # accesses so far: the interpreter's order, one program after another
+    unfenced: dict = field(default_factory=dict)  # program -> addresses it stored since its last barrier
+    barriers: list = field(default_factory=list)  # (program, sequence number) per tl.debug_barrier()
 
     def seq(self) -> int:
         self.events += 1
@@ -85,10 +90,17 @@ def _flat(accesses: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _ordered(launch: _Launch, writer: int, stored: int, loader: int, loaded: int) -> bool:
     """Whether `writer`'s store (sequence number `stored`) happens before `loader`'s load (`loaded`): the
-    writer released an address after the store that the loader acquired, later, before the load."""
-    releases = [(set(a.tolist()), q) for a, p, q, _, rel in launch.atomics if p == writer and rel and q > stored]
+    writer released an address after the store that the loader acquired, later, before the load. An atomic
+    on a tensor's scalar is one thread's: a barrier must put the writer's other threads' stores before its
+    release, and the loader's other threads' loads after its acquire."""
+    def fenced(program: int, after: int, before: int) -> bool:
+        return any(p == program and after < q < before for p, q in launch.barriers)
+
+    releases = [(set(a.tolist()), q) for a, p, q, _, rel in launch.atomics
+                if p == writer and rel and q > stored and fenced(writer, stored, q)]
     return any(q_acq > q_rel and addrs & set(a.tolist())
-               for a, p, q_acq, acq, _ in launch.atomics if p == loader and acq and q_acq < loaded
+               for a, p, q_acq, acq, _ in launch.atomics
+               if p == loader and acq and q_acq < loaded and fenced(loader, q_acq, loaded)
                for addrs, q_rel in releases)
 
 
@@ -120,7 +132,8 @@ def _check_races(launch: _Launch) -> None:
             k = int(np.argmax(bad & (w == wp) & (l_prog[hit] == lp)))
             raise Race(f"program {_pid(launch, lp)} loads {int(l_addr[hit][k]):#x}, which program "
                        f"{_pid(launch, wp)} stores in the same launch: a dependency between programs, undefined "
-                       "on a GPU (unless an atomic the writer releases after its store is acquired before the load)")
+                       "on a GPU (unless the writer releases an atomic after its store and a barrier, which the loader "
+                       "acquires before a barrier and the load)")
 
 
 def _pid(launch: _Launch, flat: int) -> tuple[int, int, int]:
@@ -136,7 +149,7 @@ def memcheck():
     executor, builder = interpreter.GridExecutor, interpreter.InterpreterBuilder
     init_args, call = executor._init_args_hst, executor.__call__
     load, store, set_dim = builder.create_masked_load, builder.create_masked_store, builder.set_grid_dim
-    rmw, cas = builder.create_atomic_rmw, builder.create_atomic_cas
+    rmw, cas, barrier = builder.create_atomic_rmw, builder.create_atomic_cas, builder.create_barrier
 
     def program(b) -> int:
         x, y, z = b.grid_idx
@@ -170,6 +183,11 @@ def memcheck():
             addr = _touched(ptrs, mask)
             elt = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
             _check_bounds(launches[-1], "load", addr, elt)
+            stored = launches[-1].unfenced.get(program(self))
+            if stored is not None and np.isin(addr, stored).any():
+                raise Race(f"program {_pid(launches[-1], program(self))} loads an address it stored, with no "
+                           "tl.debug_barrier() between: another thread of the program may have stored it, and "
+                           "nothing orders the two on a GPU")
             launches[-1].loads.append((addr, program(self), launches[-1].seq()))
         return load(self, ptrs, mask, other, *rest)
 
@@ -178,6 +196,8 @@ def memcheck():
             addr = _touched(ptrs, mask)
             _check_bounds(launches[-1], "store", addr, value.data.dtype.itemsize)
             launches[-1].stores.append((addr, program(self), launches[-1].seq()))
+            unfenced, p = launches[-1].unfenced, program(self)
+            unfenced[p] = addr if p not in unfenced else np.concatenate([unfenced[p], addr])
         return store(self, ptrs, value, mask, *rest)
 
     def atomic(self, ptrs, mask, value, sem) -> None:
@@ -187,6 +207,12 @@ def memcheck():
             name = str(sem)
             launches[-1].atomics.append((addr, program(self), launches[-1].seq(), "ACQUIRE" in name,
                                          "RELEASE" in name))
+
+    def barrier_checked(self):
+        if launches:
+            launches[-1].unfenced.pop(program(self), None)
+            launches[-1].barriers.append((program(self), launches[-1].seq()))
+        return barrier(self)
 
     def rmw_checked(self, op, ptrs, value, mask, sem, scope):
         atomic(self, ptrs, mask, value, sem)
@@ -200,6 +226,7 @@ def memcheck():
     builder.create_masked_load, builder.create_masked_store = load_checked, store_checked
     builder.set_grid_dim = set_dim_checked
     builder.create_atomic_rmw, builder.create_atomic_cas = rmw_checked, cas_checked
+    builder.create_barrier = barrier_checked
     try:
         yield
     finally:
@@ -207,3 +234,4 @@ def memcheck():
         builder.create_masked_load, builder.create_masked_store = load, store
         builder.set_grid_dim = set_dim
         builder.create_atomic_rmw, builder.create_atomic_cas = rmw, cas
+        builder.create_barrier = barrier
