@@ -1,6 +1,7 @@
 """The `clover` command as an installed console script, run the way a user runs it."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,37 @@ def test_tiny_info_run(tmp_path):
                "--no-stats", input="from stdin")
     assert r.returncode == 0 and r.stderr == ""
 
+
+
+def test_run_and_chat_take_the_model_before_the_prompt(tmp_path):
+    """After `clover quantize SRC OUT` a user types `clover run OUT "prompt"`: MODEL may come first (or with
+    --model, not both), and an unquoted prompt or a missing one gets a usage error with the command to type."""
+    import click
+
+    from clover_lite.cli.main import run_arguments
+
+    model = tmp_path / "model"
+    r = clover("tiny", str(model), "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    r = clover("run", str(model), "Hello", "-n", "3", "--raw")
+    assert r.returncode == 0 and "finish:" in r.stderr, r.stderr
+    r = clover("chat", str(model), "-n", "3", input="hi\n")
+    assert r.returncode == 0 and "tokens/forward" in r.stderr, r.stderr
+    m = str(model)
+    assert run_arguments(("Hello",), None) == (None, "Hello")
+    assert run_arguments(("Hello",), m) == (m, "Hello")
+    assert run_arguments((m, "Hello"), None) == (m, "Hello")
+    for words, option, expected in [
+        ((m,), None, f"'{m}' is a model directory: give a prompt after it"),
+        ((m, "Hello", "there"), None, f'clover run {m} "Hello there"'),
+        (("Hello", "there"), None, "'Hello' is not a model directory"),
+        (("Hello", "there", "you"), None, 'clover run "Hello there you"'),
+        ((m, "Hello"), str(tmp_path), "the model is given twice"),
+    ]:
+        with pytest.raises(click.UsageError, match=re.escape(expected)):
+            run_arguments(words, option)
+    r = clover("run", "Hello", "there")
+    assert r.returncode == 2 and 'clover run "Hello there"' in r.stderr and "Traceback" not in r.stderr
 
 def test_run_errors_are_one_line(tmp_path):
     r = clover("run", "--model", str(tmp_path / "missing"), "hi")

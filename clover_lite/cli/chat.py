@@ -26,7 +26,7 @@ import click
 
 from ..errors import CloverError, GenerationError
 from ..generation import DoneEvent, GenerationConfig, StepEvent
-from .main import TextStreamer, _decoding_options, _fail, _load_options, load_with_progress
+from .main import TextStreamer, _decoding_options, _fail, _load_options, load_with_progress, model_argument
 
 PLACEHOLDER = "\u2591"  # one per masked position of the current block (dim)
 
@@ -597,19 +597,22 @@ def banner(engine) -> str:
 
 
 @click.command()
+@click.argument("model", required=False, type=click.Path())
 @click.option("--model", "-m", "model_path", type=click.Path(), default=None,
-              help="Model directory (default: the bundled model).")
+              help="Model directory (or give it as MODEL; default: the bundled model).")
 @_decoding_options
 @click.option("--system", default=None, help="System message.")
 @_load_options
 @click.option("--plain", is_flag=True, help="Plain text even on a terminal (no colours, no block drawing).")
-def chat(model_path, system, device, dtype, context, plain, **decoding) -> None:
-    """Chat with a model. The reply streams as blocks are denoised; /help lists the commands.
+def chat(model, model_path, system, device, dtype, context, plain, **decoding) -> None:
+    """Chat with the model in directory MODEL (or --model; default: the bundled model). The reply streams as
+    blocks are denoised; /help lists the commands.
 
     On a terminal each block is drawn with a placeholder per masked position that fills in as the denoiser
     commits tokens. With stdin or stdout not a terminal, messages are read line by line from stdin and
     replies are written as plain text (statistics on stderr)."""
     interactive = sys.stdin.isatty() and sys.stdout.isatty() and not plain
+    model_path = model_argument(model, model_path)
     try:
         engine = load_with_progress(model_path, device=device, dtype=dtype, context=context)
         decoding["stop"] = tuple(decoding["stop"])

@@ -129,19 +129,50 @@ def _load_options(f):
     return f
 
 
+def model_argument(positional: str | None, option: str | None) -> str | None:
+    """The model directory given as MODEL or with --model (not both), or None for the bundled model."""
+    if positional and option:
+        raise click.UsageError(f"the model is given twice ('{positional}' and --model '{option}'): give it once")
+    return positional or option
+
+
+def _is_model_dir(path: str) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def run_arguments(words: tuple[str, ...], option: str | None) -> tuple[str | None, str]:
+    """`clover run`'s [MODEL] PROMPT: (model directory or None, prompt)."""
+    model_first = _is_model_dir(words[0])
+    if len(words) == 1 and model_first and option is None:
+        raise click.UsageError(f"'{words[0]}' is a model directory: give a prompt after it, e.g. "
+                               f"clover run {words[0]} \"Hello\"")
+    if len(words) == 1:
+        return option, words[0]
+    if len(words) == 2 and model_first:
+        return model_argument(words[0], option), words[1]
+    rest = words[1:] if model_first else words
+    why = f"expected [MODEL] PROMPT, got {len(words)} arguments"
+    if len(words) == 2:
+        why += f" ('{words[0]}' is not a model directory: it has no config.json)"
+    suggestion = (f"{words[0]} " if model_first else "") + '"' + " ".join(rest) + '"'
+    raise click.UsageError(f"{why}; quote a prompt of several words: clover run {suggestion}")
+
+
 @main.command()
-@click.argument("prompt")
+@click.argument("words", nargs=-1, required=True, metavar="[MODEL] PROMPT")
 @click.option("--model", "-m", "model_path", type=click.Path(), default=None,
-              help="Model directory (default: the bundled model).")
+              help="Model directory (or give it before PROMPT; default: the bundled model).")
 @_decoding_options
 @click.option("--raw", is_flag=True, help="Use the prompt as is, without the chat template.")
 @click.option("--system", default=None, help="System message (chat template only).")
 @_load_options
 @click.option("--stats/--no-stats", default=True, show_default=True, help="Print speed statistics to stderr.")
-def run(prompt, model_path, raw, system, device, dtype, context, stats, **decoding) -> None:
-    """Generate a reply to PROMPT ('-' reads it from stdin) and stream it to stdout."""
+def run(words, model_path, raw, system, device, dtype, context, stats, **decoding) -> None:
+    """Generate a reply to PROMPT ('-' reads it from stdin) and stream it to stdout, with the model in
+    directory MODEL (or --model; default: the bundled model)."""
     from ..generation import DoneEvent, StepEvent
 
+    model_path, prompt = run_arguments(words, model_path)
     if prompt == "-":
         prompt = sys.stdin.read()
     try:
