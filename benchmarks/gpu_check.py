@@ -597,8 +597,13 @@ def main(argv=None) -> int:
     # Uninitialized memory is NaN (or an out-of-range index) during the checks, as in every test: a kernel
     # that reads an element nobody wrote, in a path only a GPU runs (CUDA graphs, the tables' tiles), then
     # fails with NaN where the caching allocator would have handed it a previous tensor's plausible values.
-    poison = contextlib.nullcontext() if args.no_poison else \
-        runpy.run_path(str(HERE.parent / "tests" / "poison_empty.py"))["poisoned_empty"]()
+    poison = contextlib.nullcontext()
+    if not args.no_poison:
+        try:
+            poison = runpy.run_path(str(HERE.parent / "tests" / "poison_empty.py"))["poisoned_empty"]()
+        except Exception as e:  # a check of the checks must not cost the session its device call
+            print(f"uninitialized memory not poisoned: {type(e).__name__}: {e}", flush=True)
+            args.no_poison = True
     with poison:
         for name, fn in CHECKS:
             if args.checks and not any(w in name for w in args.checks):

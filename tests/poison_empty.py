@@ -14,7 +14,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.utils._device import _device_constructors
+
+try:  # private: present from torch 2.0 to at least 2.13 (the GPU image runs 2.11)
+    from torch.utils._device import _device_constructors
+except ImportError:
+    _device_constructors = None
 
 # Integer poison: far past any tensor's end as an element index, and not a value any kernel writes as a
 # sentinel (-1, 0).
@@ -39,7 +43,8 @@ def poisoned_empty():
     """While active, torch.empty, empty_like, empty_strided and Tensor.new_empty return poisoned tensors."""
     # `with torch.device(...)` recognizes factory functions by identity, from a set it builds once: build it
     # before torch.empty is replaced, or the builtin would no longer be in it and land on the CPU.
-    _device_constructors()
+    if _device_constructors is not None:
+        _device_constructors()
     originals = {name: getattr(torch, name) for name in ("empty", "empty_like", "empty_strided")}
     new_empty = torch.Tensor.new_empty
 
