@@ -59,7 +59,7 @@ def test_bench_argument_errors_and_refusal(monkeypatch):
     r = runner.invoke(main, ["bench", "--config", "tiny"])
     assert r.exit_code == 1 and "--random-weights" in r.output
     r = runner.invoke(main, ["bench"])
-    assert r.exit_code == 1 and "either --model PATH or --config NAME" in r.output
+    assert r.exit_code == 1 and "either a model directory (MODEL or --model PATH) or --config NAME" in r.output
     # A model that does not fit is refused with the plan before anything is allocated.
     monkeypatch.setattr(planner, "available_ram", lambda: 2 * 2**30)
     r = runner.invoke(main, ["bench", "--config", "clover-35b-a3b", "--random-weights", "--quant", "int4",
@@ -70,7 +70,7 @@ def test_bench_argument_errors_and_refusal(monkeypatch):
 def test_bench_on_a_checkpoint(tiny_dir, tmp_path):
     from clover_lite.cli.main import main
 
-    r = CliRunner().invoke(main, ["bench", "--model", str(tiny_dir), *FAST, "--json", str(tmp_path / "c.json")])
+    r = CliRunner().invoke(main, ["bench", str(tiny_dir), *FAST, "--json", str(tmp_path / "c.json")])  # or --model
     assert r.exit_code == 0, r.output
     data = json.loads((tmp_path / "c.json").read_text())
     assert not data["random_weights"] and data["generation"]["new_tokens"] == 12

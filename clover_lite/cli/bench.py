@@ -244,7 +244,9 @@ def _check_plan(p: MemoryPlan, device: torch.device) -> None:
 
 
 @click.command()
-@click.option("--model", "-m", "model_path", type=click.Path(), default=None, help="A model directory.")
+@click.argument("model", required=False, type=click.Path())
+@click.option("--model", "-m", "model_path", type=click.Path(), default=None,
+              help="A model directory (or give it as MODEL).")
 @click.option("--config", "config_name", type=click.Choice(sorted(NAMED_CONFIGS)), default=None,
               help="A named config instead of a checkpoint (needs --random-weights).")
 @click.option("--random-weights", is_flag=True, help="Random weights made on the device: nothing is downloaded.")
@@ -264,23 +266,25 @@ def _check_plan(p: MemoryPlan, device: torch.device) -> None:
               help="Where to write the results (default: clover-bench-NAME-QUANT.json).")
 @click.option("--plot", "plot_path", type=click.Path(), default=None,
               help="Also write a PNG (needs matplotlib, not a dependency).")
-def bench(model_path, config_name, random_weights, quant, group_size, device, dtype, block_size, prompt_tokens,
+def bench(model, model_path, config_name, random_weights, quant, group_size, device, dtype, block_size, prompt_tokens,
           new_tokens, steps, threshold, policy, seed, json_path, plot_path) -> None:
     """Measure tokens/s, tokens per forward, step and commit latency, prefill speed and peak memory.
 
-    On a checkpoint (--model) or on a named config with random weights generated on the device
+    On a checkpoint (MODEL or --model) or on a named config with random weights generated on the device
     (--config clover-35b-a3b --random-weights --quant int4): see what a card does before downloading."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..engine import resolve_device, resolve_dtype
     from ..models.config import load_config
-    from .main import _fail, load_with_progress
+    from .main import _fail, load_with_progress, model_argument
 
     err = Console(stderr=True)
+    model_path = model_argument(model, model_path)
     try:
         if (model_path is None) == (config_name is None):
-            raise CloverError("give either --model PATH or --config NAME --random-weights")
+            raise CloverError("give either a model directory (MODEL or --model PATH) or --config NAME "
+                              "--random-weights")
         if config_name is not None and not random_weights:
             raise CloverError(f"the named config '{config_name}' has no weights: add --random-weights")
         if model_path is not None and quant is not None:
