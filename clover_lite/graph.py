@@ -127,7 +127,12 @@ class StaticStep:
         if self.graph is not None:
             self.graph.replay()
             return self.logits
-        return self.forward()
+        # Eagerly (no CUDA: tests), into one buffer as a replay writes, so that a caller keeping a step's
+        # logits past the next step sees them overwritten here as it would on a GPU.
+        logits = self.forward()
+        if self.logits is None or self.logits.shape != logits.shape:
+            self.logits = torch.empty_like(logits)
+        return self.logits.copy_(logits)
 
     def commit(self, block_ids: Sequence[int] | torch.Tensor) -> None:
         """Append one full block at the cache's length (Denoiser.commit for a block of the grid)."""

@@ -148,6 +148,11 @@ def test_static_step_equals_the_step_and_generation(tiny2_dir, tmp_path, monkeyp
             for i in ref.model.config.gdn_layers:
                 for mine, theirs in zip(eng._cache.gdn_state(i), cache.gdn_state(i), strict=True):
                     torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+    # Eagerly too, every step writes one logits buffer, as a graph replay does: a caller that kept the
+    # previous step's logits would see them change here as on a GPU.
+    first = eng._static([5, 6, 7, 8]).clone()
+    kept = eng._static([5, 6, 7, 8])
+    assert torch.equal(kept, first) and eng._static([9, 9, 9, 9]) is kept and not torch.equal(kept, first)
     for i, what in enumerate(("step", "commit")):
         assert recorded[0][i], what
         assert first_difference(recorded[0][i], recorded[1][i]) is None, (what, first_difference(
