@@ -27,6 +27,12 @@ import torch
 HERE = Path(__file__).parent
 
 
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref|, in float64 on ref's device (0 where both are all zero)."""
+    ref = ref.double()
+    return ((out.to(ref.device, torch.float64) - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+
+
 def _int4(K, N, group, device, gen, stack=None, act_order=False, fmt="gptq"):
     from clover_lite.quant.pack import pack_qweight, pack_qzeros
 
@@ -80,13 +86,13 @@ def check_w4a16(device, gen, smoke) -> str:
                 out = torch.full((m, N), float("nan"), device=device, dtype=dt)
                 w4a16_matmul(x, **w, out=out)
                 ref = w4a16_matmul_reference(x.float(), **w)
-                err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                err = rel_err(out, ref)
                 worst = max(worst, err)
                 if not err < (1e-4 if dt == torch.float32 else 2e-2):
                     raise AssertionError(f"w4a16 K={K} N={N} M={m} {dt} act_order={act_order}: rel err {err}")
                 if not act_order and m > 4:  # the sweep's pairs-of-planes candidate at this M's tile
                     cfg = replace(fill_split(gemm_config_for(device, m), m, N, device), planes=True, pairs=True)
-                    err = ((gemm(x, Int4Weights(**w), config=cfg).float() - ref).abs().max() / ref.abs().max()).item()
+                    err = rel_err(gemm(x, Int4Weights(**w), config=cfg), ref)
                     worst = max(worst, err)
                     if not err < (1e-4 if dt == torch.float32 else 2e-2):
                         raise AssertionError(f"w4a16 pairs K={K} N={N} M={m} {dt}: rel err {err}")
@@ -101,7 +107,7 @@ def check_w4a16(device, gen, smoke) -> str:
                         else:
                             cfg = replace(fill_split(gemm_config_for(device, m), m, N, device), swap=swap)
                             out = gemm(x, mma[order], config=cfg)
-                        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                        err = rel_err(out, ref)
                         worst_mma = max(worst_mma, err)
                         if not err < (1e-4 if dt == torch.float32 else 2e-2):
                             raise AssertionError(f"w4a16 MMA order {order} swap {swap} K={K} N={N} M={m} {dt}: "
@@ -151,12 +157,12 @@ def check_moe(device, gen, smoke) -> str:
             if path != "runs, pairs" and mma:  # the same path with the experts in the MMA order, as modules hold them
                 with _moe_path(device, path):
                     out_mma = fused_moe(x.to(dt), w.to(dt), ids, *mma)
-                err = ((out_mma.float() - ref).abs().max() / ref.abs().max()).item()
+                err = rel_err(out_mma, ref)
                 key = (dt, f"{path or 'table'}, MMA order")
                 worst[key] = max(worst.get(key, 0.0), err)
                 if not err < (1e-3 if dt == torch.float32 else 2e-2):
                     raise AssertionError(f"fused MoE T={T} {dt} ({path or 'table'}, MMA order): rel err {err}")
-            err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+            err = rel_err(out, ref)
             key = (dt, path)
             worst[key] = max(worst.get(key, 0.0), err)
             if not err < (1e-3 if dt == torch.float32 else 2e-2):
@@ -224,7 +230,7 @@ def check_moe_route(device, gen, smoke) -> str:
         y = torch.randn(3, T * k, H, generator=gen).to(device)
         out = combine(y, pairs.position, k, dt)
         want = y.sum(0)[pairs.position.long()].view(T, k, H).sum(1)
-        worst_c = max(worst_c, ((out.float() - want).abs().max() / want.abs().max()).item())
+        worst_c = max(worst_c, rel_err(out, want))
     if not worst_w < 1e-2 or not worst_c < 1e-2:
         raise AssertionError(f"routing weights err {worst_w:.1e}, combine err {worst_c:.1e}")
     if ties > 1:
@@ -251,7 +257,7 @@ def check_model(device, gen, smoke) -> str:
         ids = torch.randint(0, 256, (1, 40), generator=gen).to(device)
         with torch.no_grad():
             lr, lt = ref.model(ids, block_size=4).float(), tri.model(ids, block_size=4).float()
-        err = ((lt - lr).abs().max() / lr.abs().max()).item()
+        err = rel_err(lt, lr)
         a = ref.generate([5, 6, 7, 8, 9], max_new_tokens=16).token_ids
         b = tri.generate([5, 6, 7, 8, 9], max_new_tokens=16).token_ids
         commit_err = _static_commit_error(tri, ids)
@@ -303,11 +309,18 @@ def first_divergence(ref, test, ids, threshold: float = 1e-3, **kw) -> str:
     for name in order:
         a, b = outs[0].get(name), outs[1][name]
         if a is not None and a.shape == b.shape:
-            errs.append((name, ((b - a).abs().max() / a.abs().max().clamp(min=1e-30)).item()))
+            errs.append((name, rel_err(b, a)))
     first = next(((n, e) for n, e in errs if not e <= threshold), None)
     worst = ", ".join(f"{n} {e:.1e}" for n, e in sorted(errs, key=lambda x: -x[1])[:3])
     where = f"first module over {threshold:.0e}: {first[0]} ({first[1]:.1e})" if first else "no module over it"
     return f"{where}; largest: {worst} ({len(errs)} modules compared)"
+
+
+def _prefill_both(model, caches, ids, block: int) -> None:
+    """The static step's cache and the eager reference's, each emptied and then holding the same prefill."""
+    for c in caches:
+        c.reset()
+        model.prefill(ids, c, block)
 
 
 def _static_step_error(engine, ids) -> float:
@@ -320,12 +333,9 @@ def _static_step_error(engine, ids) -> float:
     worst = 0.0
     with torch.no_grad():
         for n in sorted({0, 2 * block, ids.shape[1] - block}):
-            for c in (static.cache, theirs):
-                c.reset()
-                model.prefill(ids[:, :n], c, block)
-            mine = static(ids[0, n:n + block].tolist()).float()
+            _prefill_both(model, (static.cache, theirs), ids[:, :n], block)
             ref, _ = model.step(ids[:, n:n + block], theirs)
-            worst = max(worst, ((mine - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item())
+            worst = max(worst, rel_err(static(ids[0, n:n + block].tolist()), ref))
     static.cache.reset()
     return worst
 
@@ -337,9 +347,7 @@ def _static_commit_error(engine, ids) -> float:
     block = static.block_size
     mine, theirs = static.cache, model.new_cache(capacity=static.cache.capacity)
     with torch.no_grad():
-        for c in (mine, theirs):
-            c.reset()
-            model.prefill(ids[:, :block], c, block)
+        _prefill_both(model, (mine, theirs), ids[:, :block], block)
         static.commit(ids[0, block:2 * block].tolist())
         model.commit(ids[:, block:2 * block], theirs, block)
     if mine.length != theirs.length:
@@ -348,7 +356,7 @@ def _static_commit_error(engine, ids) -> float:
     pairs = [(store_a[i][:, :, :n], store_b[i][:, :, :n]) for i in cfg.attention_layers
              for store_a, store_b in ((mine.keys, theirs.keys), (mine.values, theirs.values))]
     pairs += [(x, y) for i in cfg.gdn_layers for x, y in zip(mine.gdn_state(i), theirs.gdn_state(i), strict=True)]
-    return max(((x.float() - y.float()).abs().max() / y.float().abs().max().clamp(min=1e-30)).item()
+    return max(rel_err(x, y)
                for x, y in pairs)
 
 
@@ -366,7 +374,7 @@ def check_attention(device, gen, smoke) -> str:
             gate = torch.randn(1, L, hq * d, generator=gen).to(device, dt)
             out = block_attention(q, kc, vc, kb, vb, n, gate=gate)
             ref = block_attention_reference(q, kc, vc, kb, vb, n, gate=gate)
-            err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            err = rel_err(out, ref)
             worst = max(worst, err)
             if not err < (1e-4 if dt == torch.float32 else 2e-2):
                 raise AssertionError(f"attention cache {n} L {L} {dt}: rel err {err}")
@@ -388,8 +396,7 @@ def check_gdn(device, gen, smoke) -> str:
         s0_dev = s0.to(device)  # the copy the kernel gets must be the one checked for writes
         out, state = gdn_chunked(*(t.to(device) for t in (q, k, v, g, beta)), s0_dev, write_state=True)
         ro, rs = gated_delta_rule_recurrent(*(t.double() for t in (q, k, v, g, beta, s0)))
-        err = max(((out.cpu().double() - ro).abs().max() / ro.abs().max()).item(),
-                  ((state.cpu().double() - rs).abs().max() / rs.abs().max()).item())
+        err = max(rel_err(out, ro), rel_err(state, rs))
         worst = max(worst, err)
         if not err < (1e-4 if device.type == "cpu" else 2e-3) or not torch.equal(s0_dev.cpu(), s0):  # tf32 on a GPU
             raise AssertionError(f"GDN L={L}: rel err {err}")
@@ -420,7 +427,7 @@ def check_gdn_inputs(device, gen, smoke) -> str:
                 -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float()),
                 torch.sigmoid(b).float())
         for name, x, y in zip(("q", "k", "v", "g", "beta"), got[:5], want, strict=True):
-            err = ((x - y).abs().max() / y.abs().max().clamp(min=1e-30)).item()
+            err = rel_err(x, y)
             worst = max(worst, err)
             if not err < (1e-5 if dt == torch.float32 else 2e-2):
                 raise AssertionError(f"GDN inputs L={L} {name}: rel err {err}")
@@ -467,7 +474,7 @@ def check_norm(device, gen, smoke) -> str:
             mod.backend = "torch"
             ref = mod(*args).float()
             dispatch.apply(mod, "triton")
-            err = ((mod(*args).float() - ref).abs().max() / ref.abs().max()).item()
+            err = rel_err(mod(*args), ref)
             worst = max(worst, err)
             if not err < (1e-5 if dt == torch.float32 else 1e-2):
                 raise AssertionError(f"RMSNorm rows {rows} n {n} gated {gated} {dt}: rel err {err}")
@@ -498,7 +505,7 @@ def _check_norm_rotary_residual(device, gen, dt, smoke) -> float:
         h, total = rms_norm(mixed, norm.weight, norm.eps, True, residual=res)
         if not torch.equal(total, res + mixed):
             raise AssertionError(f"residual add L={L} {dt}: the sum differs from torch's")
-        errs = [((out - ref).abs().max() / ref.abs().max()).item(),
+        errs = [rel_err(out, ref),
                 ((h.float() - norm(res + mixed).float()).abs().max() / h.float().abs().max()).item()]
         worst = max(worst, *errs)
         if not max(errs) < (1e-5 if dt == torch.float32 else 1e-2):
@@ -539,7 +546,7 @@ def check_split_sum(device, gen, smoke) -> str:
                 run = lambda c, x=x, w=ws[0], w2=w2: gemm(x, w, w2, config=c)  # noqa: E731
             separate = run(replace(cfg, sum_in_kernel=False)).float()
             first = run(cfg)
-            err = ((first.float() - separate).abs().max() / separate.abs().max().clamp(min=1e-30)).item()
+            err = rel_err(first, separate)
             worst = max(worst, err)
             differ += not torch.equal(first.float(), separate)
             if not err < 1e-3:

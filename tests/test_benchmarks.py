@@ -105,7 +105,6 @@ def test_kernel_benchmark_and_gpu_check_smoke(tmp_path, monkeypatch):
     assert check["main"](["--smoke", "--no-bench", "--checks", *checks]) == 0
 
 
-
 @pytest.mark.unpoisoned
 def test_gpu_check_runs_its_checks_on_poisoned_memory(capsys):
     """On the GPU (where no conftest poisons torch.empty) gpu_check poisons uninitialized memory itself for
@@ -125,6 +124,7 @@ def test_gpu_check_runs_its_checks_on_poisoned_memory(capsys):
     main(["--smoke", "--no-bench", "--no-poison"])
     assert "torch.empty as it comes" in capsys.readouterr().out
 
+
 def test_gpu_check_names_the_first_module_that_diverges(tmp_path):
     """When the kernels' logits miss the reference, gpu_check names the first module (in execution order) whose
     output differs: here one linear of layer 1 with a perturbed weight, not the modules after it."""
@@ -140,7 +140,6 @@ def test_gpu_check_names_the_first_module_that_diverges(tmp_path):
         weight.add_(0.05 * torch.randn_like(weight))
     report = first_divergence(ref, test, ids, block_size=4)
     assert report.startswith("first module over 1e-03: layers.1.linear_attn.out_proj ("), report
-
 
 
 def test_gpu_check_compares_the_static_steps_replays_with_the_eager_step():
@@ -183,6 +182,7 @@ def test_gpu_check_compares_the_static_steps_replays_with_the_eager_step():
     for n in (0, 8, 16):  # every length it covers: none, two blocks, all but the last block
         engine._static.wrong_at = n
         assert step_error(engine, ids) > 0.09, n
+
 
 def test_gpu_session_script_runs_its_check(tmp_path):
     """The one command a GPU session runs (benchmarks/gpu_session.sh), as the device runs it: its arguments

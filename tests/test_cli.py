@@ -41,7 +41,6 @@ def test_tiny_info_run(tmp_path):
     assert r.returncode == 0 and r.stderr == ""
 
 
-
 def test_run_and_chat_take_the_model_before_the_prompt(tmp_path):
     """After `clover quantize SRC OUT` a user types `clover run OUT "prompt"`: MODEL may come first (or with
     --model, not both), and an unquoted prompt or a missing one gets a usage error with the command to type."""
@@ -71,6 +70,7 @@ def test_run_and_chat_take_the_model_before_the_prompt(tmp_path):
             run_arguments(words, option)
     r = clover("run", "Hello", "there")
     assert r.returncode == 2 and 'clover run "Hello there"' in r.stderr and "Traceback" not in r.stderr
+
 
 def test_run_errors_are_one_line(tmp_path):
     r = clover("run", "--model", str(tmp_path / "missing"), "hi")
