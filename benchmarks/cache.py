@@ -19,8 +19,8 @@ import time
 import torch
 
 import clover_lite
-from clover_lite.generation import CachedRunner, RecomputeRunner, denoise, run_to_end
-from clover_lite.tiny import write_tiny_checkpoint
+from clover_lite.checkpoint.tiny import write_tiny_checkpoint
+from clover_lite.runtime.generation import CachedRunner, RecomputeRunner, denoise, run_to_end
 
 
 def timed(runner, prompt, cfg, engine):

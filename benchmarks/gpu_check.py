@@ -243,8 +243,8 @@ def check_model(device, gen, smoke) -> str:
     import tempfile
 
     import clover_lite
+    from clover_lite.checkpoint.tiny import write_tiny_checkpoint
     from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
-    from clover_lite.tiny import write_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         src = write_tiny_checkpoint(Path(tmp) / "src", seed=1)
@@ -438,7 +438,7 @@ def check_gdn_inputs(device, gen, smoke) -> str:
 
 def check_sampling(device, gen, smoke) -> str:
     from clover_lite.kernels.sampling import choose_fused
-    from clover_lite.sampling import choose
+    from clover_lite.runtime.sampling import choose
 
     V = 1000 if smoke else 248320
     logits = (torch.randn(32, V, generator=gen) * 4).to(device)
@@ -471,7 +471,6 @@ def check_norm(device, gen, smoke) -> str:
                 mod.weight.copy_(torch.randn(n, generator=gen) * 0.5)
             x = (torch.randn(rows, 2 * n, generator=gen) * 3).to(device, dt)[:, :n]  # strided rows
             args = (x, torch.randn(rows, n, generator=gen).to(device, dt)) if gated else (x,)
-            mod.backend = "torch"
             ref = mod(*args).float()
             dispatch.apply(mod, "triton")
             err = rel_err(mod(*args), ref)

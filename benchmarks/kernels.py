@@ -19,7 +19,7 @@ CLOVER_AUTOTUNE=1). "x mma": the weights as the modules hold them on a GPU, rear
 times both the same way).
 
 Last, issue 4's goals, judged on the path the runtime takes (the MMA order wherever the groups allow it,
-as QuantLinear.prepare chooses): >= 80% of copy bandwidth and >= 3.5x over 16-bit at M <= 16 on the large
+as kernels/forwards.py prepares them): >= 80% of copy bandwidth and >= 3.5x over 16-bit at M <= 16 on the large
 shapes (8M weights or more), faster than NF4 at every M. They are saved under "goals" in the JSON.
 
     python benchmarks/kernels.py                         # on a GPU: full table, JSON and PNG in benchmarks/out
@@ -185,7 +185,7 @@ def bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4: bool, on_r
                 for _ in range(n_copies(K * N * torch.finfo(dtype).bits // 8, device))]
         nf4s = ([bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4") for w in w16s]
                 if bnb is not None else None)
-        # The modules' own path: the MMA order where the groups allow it (QuantLinear.prepare's rule).
+        # The modules' own path: the MMA order where the groups allow it (kernels/forwards.py prepare_linear's rule).
         mmas = [mma_weights(w) for w in w4s] if mma_layout.eligible(K, group, None) else None
         for m in ms:
             x = torch.randn(m, K, device=device, dtype=dtype)

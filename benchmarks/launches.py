@@ -78,8 +78,8 @@ class LaunchCounter(TorchDispatchMode):
 
 def count_step(dtype: torch.dtype = torch.float16, block: int = 4) -> dict:
     import clover_lite
+    from clover_lite.checkpoint.tiny import write_tiny_checkpoint
     from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
-    from clover_lite.tiny import write_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         src = write_tiny_checkpoint(Path(tmp) / "src", seed=1, num_hidden_layers=2,

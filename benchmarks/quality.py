@@ -39,10 +39,10 @@ from pathlib import Path
 import torch
 
 import clover_lite
-from clover_lite import corpus, tasks
-from clover_lite.engine import BUNDLED_MODEL, Engine
 from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
-from clover_lite.train import block_diffusion_forward, noise_blocks
+from clover_lite.runtime.engine import BUNDLED_MODEL, Engine
+from clover_lite.training import corpus, tasks
+from clover_lite.training.train import block_diffusion_forward, noise_blocks
 
 # Run as a script, this folder comes first on sys.path, where bitsandbytes' optional `import kernels` (the
 # Hugging Face kernels package) would find benchmarks/kernels.py instead: take the folder off.

@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import clover_lite
-from clover_lite.engine import BUNDLED_MODEL
+from clover_lite.checkpoint.tiny import write_tiny_checkpoint
 from clover_lite.quant.eval import evaluate
 from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
-from clover_lite.tiny import write_tiny_checkpoint
+from clover_lite.runtime.engine import BUNDLED_MODEL
 
 
 def main(argv=None) -> int:

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 import clover_lite
-from clover_lite import tasks
-from clover_lite.engine import BUNDLED_MODEL, Engine
 from clover_lite.models.attention import GatedAttention
+from clover_lite.runtime.engine import BUNDLED_MODEL, Engine
+from clover_lite.training import tasks
 
 OUT = Path(__file__).parent / "out"
 

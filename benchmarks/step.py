@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from clover_lite import planner
 from clover_lite.cli.bench import random_model
+from clover_lite.kernels import dispatch
 from clover_lite.models.attention import GatedAttention
 from clover_lite.models.gdn import GatedDeltaNet
 from clover_lite.models.moe import SparseMoE
-from clover_lite.sampling import choose
+from clover_lite.planning import planner
 
 COMPONENTS = ("attention", "GDN", "MoE")
 PREFILL_CHUNK = planner.PREFILL_CHUNK
@@ -150,9 +150,7 @@ def measure(model, cache, static, context: int, block: int, mask_id: int, reps: 
     masked = torch.full((1, block), mask_id, device=device)
     positions = torch.arange(block, device=device)
     final = torch.randint(0, mask_id, (1, block), generator=gen).to(device)
-    chooser = choose
-    if getattr(model, "backend", "torch") == "triton":  # what the decoding loop samples with (generation.py)
-        from clover_lite.kernels.sampling import choose_fused as chooser
+    chooser = dispatch.chooser(getattr(model, "backend", "torch"))  # what the engine samples with
     # A commit advances the length and overwrites the GDN states in place: both are put back after each,
     # outside the timed spans, so every repetition (and the graph column) starts from the prefilled state.
     length = cache.length
@@ -296,7 +294,7 @@ def main(argv=None) -> int:
     card = torch.cuda.get_device_name(device) if gpu else "cpu"
     cache = model.new_cache(capacity=max(contexts) + block)
     static = None
-    from clover_lite.graph import StaticStep
+    from clover_lite.runtime.graph import StaticStep
 
     if StaticStep.supported(model, block) is None:
         static = StaticStep(model, cache, block)

@@ -7,10 +7,17 @@
     print(clover_lite.plan("path/to/model", "int4", 8192, "rtx4090").message())   # will it fit?
 """
 
-from .engine import Engine, load
-from .errors import CheckpointError, CloverError, ConfigError, GenerationError, TokenizerError
-from .generation import BlockEvent, DoneEvent, Generation, GenerationConfig, GenerationStats, StepEvent
-from .planner import MemoryPlan, plan
+from clover_lite.errors import CheckpointError, CloverError, ConfigError, GenerationError, TokenizerError
+from clover_lite.planning.planner import MemoryPlan, plan
+from clover_lite.runtime.engine import Engine, load
+from clover_lite.runtime.generation import (
+    BlockEvent,
+    DoneEvent,
+    Generation,
+    GenerationConfig,
+    GenerationStats,
+    StepEvent,
+)
 
 __version__ = "0.1.0"
 

@@ -17,7 +17,7 @@ became forward derivations (the tasks.py and the phases-1-2 prior.json of commit
     # phases 4 and 5: the same command with --steps 1400, then --steps 2100 (each resumes state.pt)
     python examples/train_tiny.py export --workdir runs/ft --out /tmp/clover-tiny-4100
 
-Phases 6-7, after `rules` became conclusion-first rules answered by backward chaining (clover_lite/tasks.py).
+Phases 6-7, after `rules` became conclusion-first rules answered by backward chaining (clover_lite/training/tasks.py).
 Phase 6 fine-tunes the step-4100 export; it was stopped by hand at its step-1218 checkpoint when probes showed
 rules flat at chance (42% at steps 796 and 1218). Phase 7 fine-tunes that with the training-only `recall`
 task (the content lookup alone) weighted in, and rules rose to 76% within 620 steps:
@@ -73,13 +73,13 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from clover_lite import corpus, tasks
-from clover_lite.loader import Checkpoint, load_weights
+from clover_lite.checkpoint.load import Checkpoint, load_weights
+from clover_lite.checkpoint.save import save_checkpoint
+from clover_lite.checkpoint.tiny import tiny_config
 from clover_lite.models.config import config_from_dict
 from clover_lite.models.denoiser import Denoiser
-from clover_lite.saver import save_checkpoint
-from clover_lite.tiny import tiny_config
-from clover_lite.train import TrainConfig, init_weights, jsonl_logger, lr_at, train
+from clover_lite.training import corpus, tasks
+from clover_lite.training.train import TrainConfig, init_weights, jsonl_logger, lr_at, train
 
 BLOCK_SIZE = 4
 

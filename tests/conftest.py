@@ -14,7 +14,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A tiny random clover_moe checkpoint with tokenizer files (block size 4)."""
-    from clover_lite.tiny import write_tiny_checkpoint
+    from clover_lite.checkpoint.tiny import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=1234)
 
@@ -23,7 +23,7 @@ def tiny_dir(tmp_path_factory):
 def tiny2_dir(tmp_path_factory):
     """The tiny checkpoint cut to one GDN and one attention layer, for generations run through every Triton
     kernel in the interpreter, where a block's forward costs seconds per layer."""
-    from clover_lite.tiny import write_tiny_checkpoint
+    from clover_lite.checkpoint.tiny import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt2") / "tiny2", seed=1234, num_hidden_layers=2,
                                  layer_types=["linear_attention", "full_attention"])
@@ -33,7 +33,7 @@ def tiny2_dir(tmp_path_factory):
 def tiny128_dir(tmp_path_factory):
     """tiny2 at hidden size 128 (experts of 128, GDN values of 4 x 32): every linear's K a multiple of 128,
     which the kernels' MMA order takes in groups of 128."""
-    from clover_lite.tiny import write_tiny_checkpoint
+    from clover_lite.checkpoint.tiny import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt128") / "tiny128", seed=1234, num_hidden_layers=2,
                                  layer_types=["linear_attention", "full_attention"], hidden_size=128,

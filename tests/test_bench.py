@@ -52,7 +52,7 @@ def test_bench_tiny_int4(tmp_path):
 
 
 def test_bench_argument_errors_and_refusal(monkeypatch):
-    import clover_lite.planner as planner
+    import clover_lite.planning.planner as planner
     from clover_lite.cli.main import main
 
     runner = CliRunner()

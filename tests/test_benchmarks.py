@@ -40,7 +40,7 @@ def test_quant_benchmark_table(tmp_path, monkeypatch, capsys):
 
 
 def _tiny(tmp_path):
-    from clover_lite.tiny import write_tiny_checkpoint
+    from clover_lite.checkpoint.tiny import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path / "tiny", seed=0)
 
@@ -277,8 +277,8 @@ def test_step_benchmark_through_the_kernels_and_the_static_step(tmp_path, monkey
     """The GPU configuration of the step benchmark (INT4, Triton kernels, the static step that a GPU captures
     as a CUDA graph), here with the interpreter and the static step run eagerly, on the tiny config cut to one
     GDN and one attention layer (every forward runs each kernel in the interpreter: seconds a layer)."""
-    from clover_lite import planner
-    from clover_lite.tiny import tiny_config
+    from clover_lite.checkpoint.tiny import tiny_config
+    from clover_lite.planning import planner
 
     two = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
     monkeypatch.setitem(planner.NAMED_CONFIGS, "tiny", lambda: tiny_config(**two))
@@ -383,7 +383,7 @@ def test_quality_benchmark_with_a_quantized_variant(tmp_path, capsys):
 
 def test_quality_fact_lookup_shortcut_by_hand():
     """The baseline "yes exactly when the asked atom is a fact", on hand-written instances."""
-    from clover_lite.tasks import Example
+    from clover_lite.training.tasks import Example
 
     right = runpy.run_path(str(BENCH / "quality.py"), run_name="bench")["_fact_lookup_right"]
     rules = " rules: Bob is big if Ann is red. Dan is shy if Cal is old."
@@ -400,7 +400,7 @@ def test_quality_fact_lookup_shortcut_by_hand():
 def test_rules_probe_finds_every_premise_copy(tmp_path):
     """One probe per " if" of the replies (counted here from the answer text), each at the premise's person;
     the bundled model copies them all; head weights are shares of a softmax row."""
-    from clover_lite import tasks
+    from clover_lite.training import tasks
 
     probe = runpy.run_path(str(BENCH / "rules_probe.py"), run_name="bench")
     out = tmp_path / "probe.json"
@@ -435,3 +435,18 @@ def test_launch_count_of_a_step_has_no_elementwise_glue_in_the_layers():
     kernel = w4a16._gemm_kernel
     host = script["host_time"](reps=1, calls=3)
     assert len(host) == 4 and all(v > 0 for v in host.values()) and w4a16._gemm_kernel is kernel
+
+
+def test_host_overhead_benchmark_table(tmp_path, monkeypatch, capsys):
+    """benchmarks/host_overhead.py at tiny sizes: a row per size with each variant timed, one token committed per
+    step, and the incremental text identical to the full re-decode's."""
+    out = tmp_path / "host.json"
+    monkeypatch.setattr(sys, "argv", ["host_overhead.py", "--new-tokens", "8", "30", "--repeats", "1",
+                                      "--stop", "\x00never", "--json", str(out)])
+    assert runpy.run_path(str(BENCH / "host_overhead.py"), run_name="bench")["main"]() == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["new_tokens"] for r in rows] == [8, 30] and all(r["identical_text"] for r in rows)
+    for r in rows:
+        for v in ("incremental", "no decode", "full re-decode"):
+            assert r[v]["ms_per_step"] > 0 and r[v]["steps"] == r["new_tokens"] and r[v]["finish"] == "length"
+    assert "full re-decode" in capsys.readouterr().out

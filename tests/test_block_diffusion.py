@@ -4,7 +4,7 @@ bidirectional inside a block and causal across blocks, steps never change the ca
 import pytest
 import torch
 
-from clover_lite.generation import CachedRunner, GenerationConfig, RecomputeRunner, denoise, run_to_end
+from clover_lite.runtime.generation import CachedRunner, GenerationConfig, RecomputeRunner, denoise, run_to_end
 
 
 class Recorder:

@@ -9,9 +9,9 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 import clover_lite
-from clover_lite import corpus, tasks
-from clover_lite.engine import BUNDLED_MODEL
-from clover_lite.train import block_diffusion_forward, noise_blocks
+from clover_lite.runtime.engine import BUNDLED_MODEL
+from clover_lite.training import corpus, tasks
+from clover_lite.training.train import block_diffusion_forward, noise_blocks
 
 pytestmark = pytest.mark.skipif(not (BUNDLED_MODEL / "config.json").exists(), reason="no bundled model")
 

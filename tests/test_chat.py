@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from clover_lite.cli.chat import PLACEHOLDER, ChatLoop, ChatSession, PlainView, ReplyStats, visible
-from clover_lite.generation import GenerationConfig, StepEvent
+from clover_lite.runtime.generation import GenerationConfig, StepEvent
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pty_driver import Screen, Terminal, strip_ansi  # noqa: E402
@@ -119,7 +119,7 @@ def test_chat_without_a_model_uses_the_bundled_one_or_says_what_to_do(tmp_path, 
     from click.testing import CliRunner
 
     from clover_lite.cli.main import main
-    from clover_lite.engine import BUNDLED_MODEL
+    from clover_lite.runtime.engine import BUNDLED_MODEL
 
     monkeypatch.setenv("HOME", str(tmp_path))
     r = CliRunner().invoke(main, ["chat", "-n", "8"], input="Hello!\n/stats\n")

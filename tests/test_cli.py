@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from clover_lite.cli.main import TextStreamer, layer_pattern
+from clover_lite.cli.common import TextStreamer
+from clover_lite.cli.main import layer_pattern
 
 
 def clover(*args, input=None):
@@ -87,8 +88,8 @@ def test_run_errors_are_one_line(tmp_path):
 def test_no_model_and_no_bundled_model_explains_what_to_do(tmp_path, monkeypatch):
     """An install whose package data went missing: load() without a path says what to pass instead."""
     import clover_lite
-    from clover_lite import engine
     from clover_lite.errors import CloverError
+    from clover_lite.runtime import engine
 
     monkeypatch.setattr(engine, "BUNDLED_MODEL", tmp_path / "clover-tiny")
     with pytest.raises(CloverError, match="no bundled default model.*clover tiny"):

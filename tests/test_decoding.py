@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from clover_lite.errors import GenerationError
-from clover_lite.generation import (
+from clover_lite.runtime.generation import (
     BlockEvent,
     GenerationConfig,
     StepEvent,
     denoise,
     fixed_schedule,
 )
-from clover_lite.sampling import choose, filter_logits
+from clover_lite.runtime.sampling import choose, filter_logits
 
 V = 32
 MASK = 31

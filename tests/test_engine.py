@@ -148,7 +148,7 @@ def test_load_errors(tmp_path, tiny_dir):
 
 
 def test_a_cuda_device_the_machine_lacks_is_named(monkeypatch):
-    from clover_lite.engine import resolve_device
+    from clover_lite.runtime.engine import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

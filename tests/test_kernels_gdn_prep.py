@@ -4,10 +4,10 @@ PyTorch path (causal_conv, GatedDeltaNet.heads, the delta rule's normalisation),
 import pytest
 import torch
 
+from clover_lite.checkpoint.tiny import tiny_config
 from clover_lite.kernels.gdn_prep import gdn_prepare
 from clover_lite.models.config import config_from_dict
 from clover_lite.models.gdn import GatedDeltaNet, causal_conv, l2_normalize
-from clover_lite.tiny import tiny_config
 
 
 def _layer(seed: int, **overrides) -> GatedDeltaNet:

@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 from clover_lite.kernels.gdn import gdn_chunked  # noqa: E402
 from clover_lite.kernels.sampling import choose_fused  # noqa: E402
 from clover_lite.models.gdn import gated_delta_rule_chunked, gated_delta_rule_recurrent  # noqa: E402
-from clover_lite.sampling import choose, filter_logits  # noqa: E402
+from clover_lite.runtime.sampling import choose, filter_logits  # noqa: E402
 
 GEN = torch.Generator().manual_seed(5)
 

@@ -639,7 +639,7 @@ def _quant_linear(t, K, N, group, stack=None):
 
 @pytest.mark.parametrize("M", [2, 17])
 def test_act_order_linear_is_repacked_by_group(M):
-    """desc_act weights (every group 32 rows, scattered over K): prepare() reorders the rows by group once,
+    """desc_act weights (every group 32 rows, scattered over K): installing the kernels reorders the rows by group once,
     the kernels take the per-tile path on the gathered input, and the module still computes x W^T."""
     t, w = random_int4(96, 40, 32, "gptq", sym=False, act_order=True)
     lin = _quant_linear(t, 96, 40, 32)
@@ -648,7 +648,7 @@ def test_act_order_linear_is_repacked_by_group(M):
     assert lin.k_perm is not None and lin._int4.g_idx is None and not torch.equal(lin.qweight, before)
     assert torch.equal(lin.g_idx, torch.arange(96, dtype=torch.int32) // 32)
     torch.testing.assert_close(lin.weight_of(dtype=torch.float64), w)  # the reference path follows k_perm
-    lin.prepare()  # idempotent: a second preparation repacks nothing
+    dispatch.apply(lin, "triton")  # idempotent: a second installation repacks nothing
     assert torch.equal(torch.sort(lin.k_perm).values, torch.arange(96))
     x = torch.randn(M, 96, generator=GEN)
     torch.testing.assert_close(lin(x).double(), x.double() @ w.t(), atol=1e-4, rtol=1e-4)

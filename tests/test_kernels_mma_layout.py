@@ -112,7 +112,7 @@ def test_fused_moe_takes_the_mma_order(monkeypatch, order, path):
 
 
 def test_quant_linear_prepare_repacks_eligible_weights():
-    """prepare() rearranges eligible weights in place (once), the reference path reads them back, the kernel
+    """Installing the kernels rearranges eligible weights in place (once), the reference reads them back, the kernel
     path takes them; act-order weights repacked by group first; ineligible ones (groups of 64) stay GPTQ."""
     g_idx = torch.arange(256) % 2  # act-order: the two groups of 128 rows interleaved
     cases = [(random_int4(256, 40, 128), True), (random_int4(256, 40, 128, act_order=True,
@@ -125,7 +125,7 @@ def test_quant_linear_prepare_repacks_eligible_weights():
         dispatch.apply(lin, "triton")
         assert (lin.mma_order == mma_layout.kernel_order()) == repacked and lin._int4.mma_order == lin.mma_order
         words = lin.qweight.clone()
-        lin.prepare()  # a second prepare leaves the words as they are
+        dispatch.apply(lin, "triton")  # a second installation leaves the words as they are
         assert torch.equal(lin.qweight, words)
         torch.testing.assert_close(lin.weight_of(dtype=torch.float64), w)
         x = torch.randn(5, 256, generator=GEN)

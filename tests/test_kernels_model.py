@@ -100,8 +100,8 @@ def test_static_step_equals_the_step_and_generation(tiny2_dir, tmp_path, monkeyp
     reference commit does, neither waits for the device (which capture forbids) nor launches anything at one
     cache length that it does not launch alike at the other (a graph captured at one replays at every
     length), and a generation through them equals the reference's."""
-    from clover_lite.graph import StaticStep
     from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
+    from clover_lite.runtime.graph import StaticStep
 
     q = quantize_model(tiny2_dir, tmp_path / "q", QuantizeOptions(group_size=32, nsamples=4, seqlen=32)).out
     if arch:

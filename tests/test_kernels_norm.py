@@ -32,7 +32,7 @@ def test_rms_norm_matches_float64_and_the_module(n, unit_offset, dtype):
     assert y.shape == x.shape and y.dtype == dtype
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(y.double(), rms64(x, mod.weight, mod.eps, unit_offset), **tol)
-    ref = mod(x)  # the torch path (its backend is "torch" until dispatch.apply)
+    ref = mod(x)  # the torch path (the reference until dispatch.apply installs the kernel)
     dispatch.apply(mod, "triton")
     torch.testing.assert_close(mod(x), ref, atol=1e-5 if dtype == torch.float32 else 1e-3, rtol=1e-5)
 
@@ -93,10 +93,10 @@ def test_norm_with_rotary_matches_float64_and_the_modules(dtype, n, rd, heads, L
 
 def test_attention_layer_norm_rotary_path_matches_torch():
     """GatedAttention's q and k through the fused norm + RoPE (Triton backend) against its torch path."""
+    from clover_lite.checkpoint.tiny import tiny_config
     from clover_lite.models.attention import GatedAttention
     from clover_lite.models.config import config_from_dict
     from clover_lite.models.layers import RotaryEmbedding
-    from clover_lite.tiny import tiny_config
 
     cfg = config_from_dict(tiny_config())
     torch.manual_seed(3)
@@ -108,7 +108,7 @@ def test_attention_layer_norm_rotary_path_matches_torch():
     with torch.no_grad():
         q_ref, gate_ref = attn.project_q(x, cos, sin)
         kv_ref = attn.project_kv(x, cos, sin)
-        attn.backend = "triton"
+        dispatch.apply(attn, "triton")
         q, gate = attn.project_q(x, cos, sin)
         kv = attn.project_kv(x, cos, sin)
     torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from clover_lite.checkpoint.load import load_model
+from clover_lite.checkpoint.tiny import write_tiny_checkpoint
 from clover_lite.errors import CheckpointError, ConfigError
-from clover_lite.loader import load_model
 from clover_lite.models import load_config
-from clover_lite.tiny import write_tiny_checkpoint
 
 
 @pytest.fixture()

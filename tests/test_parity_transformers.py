@@ -4,7 +4,7 @@ configs. With block_size=1 the block-causal mask is the causal mask, so logits m
 import pytest
 import torch
 
-from clover_lite.loader import load_model
+from clover_lite.checkpoint.load import load_model
 from clover_lite.models import load_config
 
 from . import hf_models

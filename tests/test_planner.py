@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import clover_lite
-from clover_lite.planner import (
+from clover_lite.planning.planner import (
     CUDA_CONTEXT_BYTES,
     GPU_RESERVE_BYTES,
     KNOWN_GPUS,
@@ -49,7 +49,7 @@ def test_tiny_plan_matches_what_load_allocates_on_cpu(tiny_engine, tiny_dir):
         assert close(q.kv_cache + q.gdn_state, cache.nbytes())
         assert q.kv_cache + q.gdn_state == cache.nbytes()
     # the cache a generation really builds (reserve grows it to prompt + new tokens)
-    from clover_lite.generation import CachedRunner
+    from clover_lite.runtime.generation import CachedRunner
 
     runner = CachedRunner(model, 4)
     runner.reserve(300)
@@ -176,7 +176,7 @@ def test_known_cards_and_names():
 
 # ---- load refuses instead of running out of memory ----------------------------------------------
 def test_load_refuses_with_the_plan_on_cpu(tiny_dir, monkeypatch):
-    import clover_lite.planner as planner
+    import clover_lite.planning.planner as planner
 
     monkeypatch.setattr(planner, "available_ram", lambda: 100_000)
     with pytest.raises(MemoryPlanError) as e:
@@ -186,7 +186,7 @@ def test_load_refuses_with_the_plan_on_cpu(tiny_dir, monkeypatch):
 
 
 def test_load_check_on_cuda_uses_free_memory(tiny_dir, monkeypatch):
-    import clover_lite.planner as planner
+    import clover_lite.planning.planner as planner
     from clover_lite.models.config import load_config
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -212,7 +212,7 @@ def test_load_check_on_cuda_uses_free_memory(tiny_dir, monkeypatch):
 def test_cuda_free_memory_counts_the_allocators_unused_blocks(monkeypatch):
     """Memory PyTorch's allocator reserved but no tensor uses is this process's to use (a second model in
     one process), though the driver does not report it free."""
-    import clover_lite.planner as planner
+    import clover_lite.planning.planner as planner
 
     dev = torch.device("cuda", 1)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (3 * GiB, 24 * GiB) if d == dev else None)

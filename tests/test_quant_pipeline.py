@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import clover_lite
+from clover_lite.checkpoint.tiny import write_tiny_checkpoint
 from clover_lite.cli.chat import banner
 from clover_lite.errors import CheckpointError, CloverError
 from clover_lite.quant.eval import evaluate
 from clover_lite.quant.pipeline import QuantizationError, QuantizeOptions, quantize_model
-from clover_lite.tiny import write_tiny_checkpoint
 
 FAST = dict(group_size=32, nsamples=8, seqlen=64)
 
@@ -219,11 +219,11 @@ def test_nf4_with_lm_head(tmp_path):
 MEMORY_SCRIPT = """
 import sys
 import torch
-from clover_lite.loader import build_model
+from clover_lite.checkpoint.load import build_model
 from clover_lite.models import load_config
 from clover_lite.quant.calibration import stdlib_texts
 from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
-from clover_lite.tokenizer import Tokenizer
+from clover_lite.tokenizer.tokenizer import Tokenizer
 
 def rss(field):
     for line in open("/proc/self/status"):

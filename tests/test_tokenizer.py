@@ -13,14 +13,14 @@ import pytest
 import sentencepiece as spm
 from tokenizers import pre_tokenizers
 
-from clover_lite.byte_tokenizer import (
+from clover_lite.errors import TokenizerError
+from clover_lite.tokenizer.byte_tokenizer import (
     DEFAULT_CHAT_TEMPLATE,
     DEFAULT_SPECIALS,
     byte_symbols,
     write_byte_tokenizer,
 )
-from clover_lite.errors import TokenizerError
-from clover_lite.tokenizer import Tokenizer
+from clover_lite.tokenizer.tokenizer import Tokenizer
 
 # Fresh inputs every run; set CLOVER_TEST_SEED to replay a failure (the seed is printed on failure).
 SEED = int(os.environ.get("CLOVER_TEST_SEED", int.from_bytes(os.urandom(4), "little")))

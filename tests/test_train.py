@@ -8,12 +8,12 @@ import re
 import pytest
 import torch
 
-from clover_lite import tasks
+from clover_lite.checkpoint.tiny import init_random, tiny_config
 from clover_lite.models.config import config_from_dict
 from clover_lite.models.denoiser import Denoiser
 from clover_lite.models.gdn import gated_delta_rule_block_states, gated_delta_rule_chunked, gdn_block_states
-from clover_lite.tiny import init_random, tiny_config
-from clover_lite.train import (
+from clover_lite.training import tasks
+from clover_lite.training.train import (
     TrainConfig,
     block_diffusion_logits,
     init_weights,
@@ -182,7 +182,7 @@ def test_batches_with_maskable_positions():
 
 
 def test_chat_windows_mask_replies_to_the_end_of_their_block():
-    from clover_lite import corpus
+    from clover_lite.training import corpus
 
     tok = corpus.train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, vocab_size=300)
     text = torch.arange(4, 200, dtype=torch.int32).repeat(5)
@@ -203,7 +203,7 @@ def test_chat_windows_mask_replies_to_the_end_of_their_block():
 
 
 def test_task_weights_change_the_mix_from_their_step():
-    from clover_lite import corpus
+    from clover_lite.training import corpus
 
     tok = corpus.train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, vocab_size=300)
     text = torch.arange(4, 200, dtype=torch.int32).repeat(5)

@@ -16,10 +16,9 @@ from pathlib import Path
 import click
 import torch
 
-from ..engine import Engine, on_device
-from ..errors import CloverError
-from ..generation import DoneEvent, StepEvent
-from ..planner import (
+from clover_lite.checkpoint.random_weights import ProgressFn, init_random_
+from clover_lite.errors import CloverError
+from clover_lite.planning.planner import (
     NAMED_CONFIGS,
     MemoryPlan,
     MemoryPlanError,
@@ -29,14 +28,15 @@ from ..planner import (
     parse_quant,
     plan,
 )
-from ..random_weights import ProgressFn, init_random_
+from clover_lite.runtime.engine import Engine, on_device
+from clover_lite.runtime.generation import DoneEvent, StepEvent
 
 
 def random_model(config, quant: str, device: torch.device, dtype: torch.dtype | None = None, seed: int = 0,
                  progress: ProgressFn | None = None) -> torch.nn.Module:
     """The model `load` would build for `config` in format `quant`, allocated on `device` and filled with
     random weights there (nothing is read from disk)."""
-    from ..kernels import dispatch
+    from clover_lite.kernels import dispatch
 
     model = meta_model(config, quant, dtype).to_empty(device=device)
     init_random_(model, seed, progress=progress)
@@ -275,9 +275,9 @@ def bench(model, model_path, config_name, random_weights, quant, group_size, dev
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..engine import resolve_device, resolve_dtype
-    from ..models.config import load_config
-    from .main import _fail, load_with_progress, model_argument
+    from clover_lite.cli.common import fail, load_with_progress, model_argument
+    from clover_lite.models.config import load_config
+    from clover_lite.runtime.engine import resolve_device, resolve_dtype
 
     err = Console(stderr=True)
     model_path = model_argument(model, model_path)
@@ -332,7 +332,7 @@ def bench(model, model_path, config_name, random_weights, quant, group_size, dev
                     raise CloverError(f"{model_path}: the model has no mask token; it cannot be benchmarked")
             report = run_bench(engine, B, prompt_tokens, new_tokens, steps, threshold, policy, seed, progress)
     except CloverError as e:
-        _fail(e)
+        fail(e)
     peak, kind = peak_memory(dev)
     report.update({
         "model": name, "random_weights": config_name is not None, "quant": label,

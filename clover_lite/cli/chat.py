@@ -24,9 +24,16 @@ from typing import TextIO
 
 import click
 
-from ..errors import CloverError, GenerationError
-from ..generation import DoneEvent, GenerationConfig, StepEvent
-from .main import TextStreamer, _decoding_options, _fail, _load_options, load_with_progress, model_argument
+from clover_lite.cli.common import (
+    TextStreamer,
+    decoding_options,
+    fail,
+    load_options,
+    load_with_progress,
+    model_argument,
+)
+from clover_lite.errors import CloverError, GenerationError
+from clover_lite.runtime.generation import DoneEvent, GenerationConfig, StepEvent
 
 PLACEHOLDER = "\u2591"  # one per masked position of the current block (dim)
 
@@ -600,9 +607,9 @@ def banner(engine) -> str:
 @click.argument("model", required=False, type=click.Path())
 @click.option("--model", "-m", "model_path", type=click.Path(), default=None,
               help="Model directory (or give it as MODEL; default: the bundled model).")
-@_decoding_options
+@decoding_options
 @click.option("--system", default=None, help="System message.")
-@_load_options
+@load_options
 @click.option("--plain", is_flag=True, help="Plain text even on a terminal (no colours, no block drawing).")
 def chat(model, model_path, system, device, dtype, context, plain, **decoding) -> None:
     """Chat with the model in directory MODEL (or --model; default: the bundled model). The reply streams as
@@ -618,7 +625,7 @@ def chat(model, model_path, system, device, dtype, context, plain, **decoding) -
         decoding["stop"] = tuple(decoding["stop"])
         session = ChatSession(engine, GenerationConfig(**decoding), system)
     except CloverError as e:
-        _fail(e)
+        fail(e)
     if interactive:
         from rich.console import Console
 

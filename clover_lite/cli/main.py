@@ -8,60 +8,18 @@ from pathlib import Path
 import click
 import torch
 
-from ..errors import CloverError
-
-
-class TextStreamer:
-    """Turns the growing 'text so far' of step events into chunks safe to print: it holds back a
-    trailing partial UTF-8 character and anything that could still turn out to start a stop string."""
-
-    def __init__(self, stop: tuple[str, ...] = ()):
-        self.printed = ""
-        self.hold = max((len(s) for s in stop), default=1) - 1
-
-    def feed(self, text: str) -> str:
-        text = text.rstrip("\ufffd")
-        safe = text[: len(text) - self.hold] if self.hold else text
-        if not safe.startswith(self.printed) or len(safe) <= len(self.printed):
-            return ""
-        chunk, self.printed = safe[len(self.printed) :], safe
-        return chunk
-
-    def finish(self, text: str) -> str:
-        if text.startswith(self.printed):
-            return text[len(self.printed) :]
-        # Should not happen (text only grows); show the whole answer rather than a garbled one.
-        return "\n" + text
-
-
-def load_with_progress(path, **kwargs):
-    """clover_lite.load with a progress bar on a terminal (stderr) and the loader's notes printed."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from ..engine import load
-
-    console = Console(stderr=True)
-    if not console.is_terminal:
-        engine = load(path, **kwargs)
-    else:
-        columns = (TextColumn("loading"), BarColumn(), TextColumn("{task.completed}/{task.total} tensors"),
-                   TimeRemainingColumn())
-        with Progress(*columns, console=console, transient=True) as bar:
-            task = bar.add_task("load", total=None)
-            engine = load(path, progress=lambda done, total: bar.update(task, completed=done, total=total), **kwargs)
-    for note in engine.load_report.notes if engine.load_report else []:
-        click.echo(f"note: {note}", err=True)
-    return engine
-
-
-def _fail(e: Exception) -> None:
-    click.echo(f"error: {e}", err=True)
-    sys.exit(1)
-
+from clover_lite.cli.common import (
+    TextStreamer,
+    decoding_options,
+    fail,
+    load_options,
+    load_with_progress,
+    model_argument,
+)
+from clover_lite.errors import CloverError
 
 # Commands defined in other modules, imported when used (`clover --help` imports them all). Lazy, so that
-# `clover_lite.cli.chat` (which uses this module's helpers) can also be imported first.
+# `clover run` does not pay for importing the chat UI, the benchmark or the quantizer.
 LAZY_COMMANDS = {
     "chat": (".chat", "chat"),
     "bench": (".bench", "bench"),
@@ -91,51 +49,6 @@ def main() -> None:
     """clover-lite: run block-diffusion language models on one GPU (or slowly on a CPU)."""
 
 
-def _decoding_options(f):
-    options = [
-        click.option("--max-new-tokens", "-n", type=int, default=256, show_default=True, help="Tokens to generate."),
-        click.option("--block-size", type=int, default=None, help="Block size (default: the model's)."),
-        click.option("--steps-per-block", type=int, default=None,
-                     help="Steps per block for --policy fixed (default: one token per step)."),
-        click.option("--policy", type=click.Choice(["threshold", "fixed"]), default="threshold", show_default=True),
-        click.option("--threshold", type=float, default=0.9, show_default=True,
-                     help="Commit every masked position more confident than this (threshold policy)."),
-        click.option("--confidence", type=click.Choice(["prob", "margin", "entropy"]), default="prob",
-                     show_default=True),
-        click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 is greedy."),
-        click.option("--top-k", type=int, default=0, show_default=True),
-        click.option("--top-p", type=float, default=1.0, show_default=True),
-        click.option("--seed", type=int, default=None, help="Seed for sampling."),
-        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
-        click.option("--commit", type=click.Choice(["exact", "reuse"]), default="exact", show_default=True,
-                     help="How a finished block enters the cache: clean re-forward, or reuse its last step."),
-    ]
-    for opt in reversed(options):
-        f = opt(f)
-    return f
-
-
-def _load_options(f):
-    """Where and how the engine is loaded: shared by run and chat."""
-    options = [
-        click.option("--device", default="auto", show_default=True),
-        click.option("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)."),
-        click.option("--context", type=click.IntRange(min=1), default=None,
-                     help="Positions (prompt + replies) the engine holds [default: with the CUDA-graph step (GPU, "
-                          "INT4 experts) as many as fit, at most 32K; otherwise the model's limit]."),
-    ]
-    for opt in reversed(options):
-        f = opt(f)
-    return f
-
-
-def model_argument(positional: str | None, option: str | None) -> str | None:
-    """The model directory given as MODEL or with --model (not both), or None for the bundled model."""
-    if positional and option:
-        raise click.UsageError(f"the model is given twice ('{positional}' and --model '{option}'): give it once")
-    return positional or option
-
-
 def _is_model_dir(path: str) -> bool:
     return (Path(path) / "config.json").is_file()
 
@@ -162,15 +75,15 @@ def run_arguments(words: tuple[str, ...], option: str | None) -> tuple[str | Non
 @click.argument("words", nargs=-1, required=True, metavar="[MODEL] PROMPT")
 @click.option("--model", "-m", "model_path", type=click.Path(), default=None,
               help="Model directory (or give it before PROMPT; default: the bundled model).")
-@_decoding_options
+@decoding_options
 @click.option("--raw", is_flag=True, help="Use the prompt as is, without the chat template.")
 @click.option("--system", default=None, help="System message (chat template only).")
-@_load_options
+@load_options
 @click.option("--stats/--no-stats", default=True, show_default=True, help="Print speed statistics to stderr.")
 def run(words, model_path, raw, system, device, dtype, context, stats, **decoding) -> None:
     """Generate a reply to PROMPT ('-' reads it from stdin) and stream it to stdout, with the model in
     directory MODEL (or --model; default: the bundled model)."""
-    from ..generation import DoneEvent, StepEvent
+    from clover_lite.runtime.generation import DoneEvent, StepEvent
 
     model_path, prompt = run_arguments(words, model_path)
     if prompt == "-":
@@ -197,7 +110,7 @@ def run(words, model_path, raw, system, device, dtype, context, stats, **decodin
                 result = event.generation
                 click.echo(streamer.finish(result.text))
     except CloverError as e:
-        _fail(e)
+        fail(e)
     if stats and result is not None:
         s = result.stats
         click.echo(
@@ -257,10 +170,10 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
     from rich.console import Console
     from rich.table import Table
 
-    from .. import planner
-    from ..loader import checkpoint_files, read_header, read_quant_config
-    from ..models.config import load_config
-    from ..models.denoiser import Denoiser
+    from clover_lite.checkpoint.load import checkpoint_files, read_header, read_quant_config
+    from clover_lite.models.config import load_config
+    from clover_lite.models.denoiser import Denoiser
+    from clover_lite.planning import planner
 
     named = not Path(path).exists() and path in planner.NAMED_CONFIGS
     try:
@@ -285,7 +198,7 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
         plans = [planner.plan(config, s, context, None, block_size=block_size, _name=Path(path).name)
                  for s in schemes]
     except CloverError as e:
-        _fail(e)
+        fail(e)
     if as_json:
         out = []
         for p in plans:
@@ -350,7 +263,7 @@ def _plan_table(plans):
     INT4 one's breakdown of qweight / scales / qzeros / g_idx)."""
     from rich.table import Table
 
-    from ..planner import fmt_bytes
+    from clover_lite.planning.planner import fmt_bytes
 
     p0, last = plans[0], plans[-1]
     title = f"memory plan at {p0.context_len} tokens of context, block {p0.block_size}, activations {p0.dtype}"
@@ -374,7 +287,7 @@ def _plan_table(plans):
 def _cards_table(plans, cards, context, block_size):
     from rich.table import Table
 
-    from .. import planner
+    from clover_lite.planning import planner
 
     table = Table(title="known cards (usable = capacity - reserve; the total includes the CUDA context)")
     table.add_column("card")
@@ -404,12 +317,12 @@ def _cards_table(plans, cards, context, block_size):
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def tiny(out, seed, block_size, force) -> None:
     """Write a tiny random block-diffusion checkpoint to OUT, to try the runtime without a download."""
-    from ..tiny import write_tiny_checkpoint
+    from clover_lite.checkpoint.tiny import write_tiny_checkpoint
 
     try:
         path = write_tiny_checkpoint(out, seed=seed, force=force, block_size=block_size)
     except CloverError as e:
-        _fail(e)
+        fail(e)
     click.echo(f"wrote a tiny random clover_moe model to {path} (random weights: the text it writes is noise)")
 
 

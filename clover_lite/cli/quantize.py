@@ -7,12 +7,8 @@ import time
 
 import click
 
-from ..errors import CloverError
-
-
-def _fail(e: Exception) -> None:
-    click.echo(f"error: {e}", err=True)
-    sys.exit(1)
+from clover_lite.cli.common import fail
+from clover_lite.errors import CloverError
 
 
 @click.command()
@@ -51,7 +47,7 @@ def quantize(src, out, method, group_size, asym, no_act_order, no_static_groups,
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
 
-    from ..quant.pipeline import QuantizeOptions, quantize_model
+    from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
 
     options = QuantizeOptions(
         method=method, group_size=group_size, sym=not asym, act_order=not no_act_order,
@@ -80,7 +76,7 @@ def quantize(src, out, method, group_size, asym, no_act_order, no_static_groups,
                    err=True)
         sys.exit(130)
     except CloverError as e:
-        _fail(e)
+        fail(e)
     table = Table(title=f"{method} -> {report.out}", show_header=False)
     table.add_row("time", f"{report.seconds:.1f} s")
     table.add_row("size", f"{report.bytes_before / 2**20:.1f} MiB -> {report.bytes_after / 2**20:.1f} MiB "
@@ -107,8 +103,8 @@ def eval_cmd(model, reference, text, nsamples, seqlen, seed, device) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ..engine import load
-    from ..quant.eval import evaluate
+    from clover_lite.quant.eval import evaluate
+    from clover_lite.runtime.engine import load
 
     try:
         t = time.perf_counter()
@@ -117,7 +113,7 @@ def eval_cmd(model, reference, text, nsamples, seqlen, seed, device) -> None:
         ref = load(reference, device=device, static_step=False) if reference else None
         result = evaluate(engine, ref, text, nsamples=nsamples, seqlen=seqlen, seed=seed)
     except CloverError as e:
-        _fail(e)
+        fail(e)
     table = Table(title=f"{model}" + (f" vs {reference}" if reference else ""))
     for col in ("masked-token NLL", "reference NLL", "KL(ref || model)", "top-1 agreement", "positions"):
         table.add_column(col)

@@ -25,9 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs
-from .dispatch import interpreting
-from .host import cdiv, next_power_of_2
+from clover_lite.kernels import configs
+from clover_lite.kernels.host import cdiv, interpreting, next_power_of_2
 
 _LOG2E = 1.4426950408889634
 MAX_BLOCK_LEN = configs.ATTENTION_MAX_BLOCK_LEN

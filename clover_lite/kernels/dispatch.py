@@ -1,6 +1,6 @@
 """Which implementation runs: the Triton kernels on CUDA, the PyTorch reference elsewhere.
 
-Chosen once, when a model is loaded (`select`), and stored on each quantized module. The environment
+Chosen once, when a model is loaded (`select`), and installed on the model's modules (`apply`). The environment
 variable CLOVER_KERNELS=auto|torch|triton overrides the choice for every kernel; `triton` with CPU
 tensors and TRITON_INTERPRET=1 runs the real kernels in Triton's interpreter (how the tests run them).
 """
@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
+
+from clover_lite.kernels.host import interpreting
 
 MODES = ("auto", "torch", "triton")
 
@@ -23,10 +26,6 @@ def triton_available() -> bool:
     except Exception:  # a broken triton install is the same as none for us
         return False
     return True
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def select(device: torch.device | str, mode: str | None = None) -> str:
@@ -47,12 +46,21 @@ def select(device: torch.device | str, mode: str | None = None) -> str:
 
 
 def apply(model: torch.nn.Module, backend: str) -> None:
-    """Record the backend on every module that has a kernel path and let it prepare for the kernels,
-    children before parents (a parent may combine what its children prepared)."""
-    modules = [m for m in model.modules() if hasattr(m, "backend")]
-    for module in modules:
-        module.backend = backend
+    """The one dispatch point, at load: with the Triton backend, bind the kernel-backed forwards on every
+    module of `model` that has one (kernels/forwards.py); with torch, the modules stay the reference."""
     if backend == "triton":
-        for module in reversed(modules):
-            if hasattr(module, "prepare"):
-                module.prepare()
+        from clover_lite.kernels.forwards import install
+
+        install(model)
+
+
+def chooser(backend: str) -> Callable:
+    """What picks each denoising step's tokens (`runtime.sampling.choose`'s contract): the fused Triton
+    sampler with the Triton backend, else the PyTorch reference."""
+    if backend == "triton":
+        from clover_lite.kernels.sampling import choose_fused
+
+        return choose_fused
+    from clover_lite.runtime.sampling import choose
+
+    return choose

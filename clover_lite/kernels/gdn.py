@@ -18,9 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs
-from .dispatch import interpreting
-from .host import cdiv, next_power_of_2
+from clover_lite.kernels import configs
+from clover_lite.kernels.host import cdiv, interpreting, next_power_of_2
 
 
 @triton.jit
@@ -102,7 +101,7 @@ def gdn_chunked(
     never modified) -> (out [b, L, HV, V] fp32, the state after the L tokens if write_state else None).
     `normalized`: q and k are already L2-normalised (q times K^-0.5) and all five are fp32 and contiguous,
     as kernels.gdn_prep.gdn_prepare returns them."""
-    from ..models.gdn import l2_normalize
+    from clover_lite.models.gdn import l2_normalize
 
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"q, k must be [b, L, HK, K] and v [b, L, HV, V]; got {q.shape}, {k.shape}, {v.shape}")

@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import interpreting
-from .host import cdiv, next_power_of_2
+from clover_lite.kernels.host import cdiv, interpreting, next_power_of_2
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Launch arithmetic on the host, in plain Python integers.
+"""Host-side helpers of the kernels: launch arithmetic in plain Python integers, and whether Triton interprets.
 
 In Triton 3.9 `triton.cdiv` and `triton.next_power_of_2` are constexpr functions: called from Python,
 each first unwraps its arguments, a few microseconds a call, and an INT4 GEMM's launch made eight of them
@@ -6,6 +6,8 @@ each first unwraps its arguments, a few microseconds a call, and an INT4 GEMM's 
 """
 
 from __future__ import annotations
+
+import os
 
 
 def cdiv(a: int, b: int) -> int:
@@ -16,3 +18,8 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (0 for n <= 0, as triton.next_power_of_2)."""
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1, set before triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -15,7 +15,7 @@ r and r + 1. With the order the installed Triton gives its 16-bit dot operands (
 compiled for sm_86 and sm_90), the tile the GEMM builds from the loaded words is laid out as the dot wants
 it, with no data movement; with the other order it is correct but pays shuffles.
 
-Repacked: weights without an act-order g_idx (after QuantLinear.prepare's repack by group), K a multiple
+Repacked: weights without an act-order g_idx (after kernels/forwards.py's repack by group), K a multiple
 of 128, groups of a multiple of 128 rows or one group per column. The buffer keeps its shape and size.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant.pack import _pack_rows, _unpack_rows
+from clover_lite.quant.pack import _pack_rows, _unpack_rows
 
 BLOCK = 128  # rows per block: 16 words of one column
 ORDERS = (2, 4)

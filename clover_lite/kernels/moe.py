@@ -19,10 +19,10 @@ from dataclasses import replace
 
 import torch
 
-from . import configs
-from .moe_gemv import grouped_gemv
-from .moe_route import combine, sort_pairs
-from .w4a16 import Int4Weights, _arch, fill_split, gemm, gemm_config_for, gemv
+from clover_lite.kernels import configs
+from clover_lite.kernels.moe_gemv import grouped_gemv
+from clover_lite.kernels.moe_route import combine, sort_pairs
+from clover_lite.kernels.w4a16 import Int4Weights, _arch, fill_split, gemm, gemm_config_for, gemv
 
 
 def align_by_expert(sorted_expert: torch.Tensor, num_experts: int, block_m: int):

@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs
-from .host import cdiv
-from .w4a16 import (
+from clover_lite.kernels import configs
+from clover_lite.kernels.host import cdiv
+from clover_lite.kernels.w4a16 import (
     Int4Weights,
     _first_group,
     _gemv_plan,

@@ -22,8 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import interpreting
-from .host import cdiv, next_power_of_2
+from clover_lite.kernels.host import cdiv, interpreting, next_power_of_2
 
 SORT_KERNEL_MAX_PAIRS = 4096  # past this the O(P^2) rank count costs more than torch's radix sort
 

@@ -13,8 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import interpreting
-from .host import next_power_of_2
+from clover_lite.kernels.host import interpreting, next_power_of_2
 
 
 @triton.jit

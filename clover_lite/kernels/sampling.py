@@ -15,9 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..sampling import CONFIDENCES, confidence_of, filter_logits
-from .dispatch import interpreting
-from .host import cdiv, next_power_of_2
+from clover_lite.kernels.host import cdiv, interpreting, next_power_of_2
+from clover_lite.runtime.sampling import CONFIDENCES, confidence_of, filter_logits
 
 
 @triton.jit
@@ -66,7 +65,7 @@ def choose_fused(
     generator: torch.Generator | None = None,
     block_v: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `clover_lite.sampling.choose` (tokens [n], confidence [n] fp32); greedy choices and
+    """Same contract as `clover_lite.runtime.sampling.choose` (tokens [n], confidence [n] fp32); greedy choices and
     all confidences equal the reference's; sampled tokens follow the same distribution, reproducibly for
     a seeded generator (a different random stream than torch.multinomial's)."""
     if confidence not in CONFIDENCES:

@@ -11,7 +11,7 @@ With K split, each split stores fp32 partials and the last split of each output 
 the same launch (_last_split_sums: an atomic counter per tile), where a second launch used to.
 When BLOCK_K stays inside one group (no act-order g_idx) the scale and zero apply once per tile:
 out += s * (x . q - z * sum(x)) (DESIGN section 7); with an act-order g_idx they are gathered per element
-(the modules avoid that: QuantLinear.prepare reorders desc_act rows by group once, and x's columns are
+(the modules avoid that: kernels/forwards.py reorders desc_act rows by group once, and x's columns are
 gathered instead, see Int4Weights.perm). Weights whose groups are whole 128-row blocks are then rearranged
 into the order of the tensor cores' operand registers (mma_layout.py, Int4Weights.mma_order): the GEMM builds
 its operand from 16-byte loads with no shuffles (_mma_tile_product), the GEMV reads the same words.
@@ -26,9 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs, mma_layout
-from .dispatch import interpreting
-from .host import cdiv
+from clover_lite.kernels import configs, mma_layout
+from clover_lite.kernels.host import cdiv, interpreting
 
 
 @triton.jit
@@ -972,7 +971,7 @@ def w4a16_matmul(
 
 def w4a16_matmul_reference(x, qweight, scales, qzeros, group_size, g_idx=None, checkpoint_format="gptq"):
     """The PyTorch reference: dequantize, then matmul (in x's dtype, as QuantLinear's reference path)."""
-    from ..quant.pack import dequantize
+    from clover_lite.quant.pack import dequantize
 
     K = qweight.shape[0] * 8
     if g_idx is None:

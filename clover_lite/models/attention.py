@@ -11,10 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import AttentionUpdate
-from ..kernels.configs import ATTENTION_MAX_BLOCK_LEN
-from .config import ModelConfig
-from .layers import RMSNorm, apply_rotary
+from clover_lite.models.config import ModelConfig
+from clover_lite.models.layers import RMSNorm, apply_rotary
+from clover_lite.runtime.cache import AttentionUpdate
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -33,8 +32,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 class GatedAttention(nn.Module):
-    backend = "torch"  # "triton" once kernels.apply chose it at load time
-
     def __init__(self, config: ModelConfig):
         super().__init__()
         c = config
@@ -55,14 +52,10 @@ class GatedAttention(nn.Module):
         b, L, _ = x.shape
         k = self.k_proj(x).view(b, L, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(b, L, self.n_kv, self.head_dim).transpose(1, 2)
-        return AttentionUpdate(k=self._norm_rotary(self.k_norm, k, cos, sin), v=v)
+        return AttentionUpdate(k=self.norm_rotary(self.k_norm, k, cos, sin), v=v)
 
-    def _norm_rotary(self, norm: RMSNorm, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """t [b, L, heads, head_dim] -> RoPE(norm(t)) [b, heads, L, head_dim]: one kernel on the Triton path."""
-        if self.backend == "triton":
-            from ..kernels.norm import rms_norm
-
-            return rms_norm(t, norm.weight, norm.eps, norm.unit_offset, rotary=(cos, sin)).transpose(1, 2)
+    def norm_rotary(self, norm: RMSNorm, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """t [b, L, heads, head_dim] -> RoPE(norm(t)) [b, heads, L, head_dim] (one kernel once installed)."""
         return apply_rotary(norm(t).transpose(1, 2), cos, sin)
 
     def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +63,7 @@ class GatedAttention(nn.Module):
         b, L, _ = x.shape
         qg = self.q_proj(x).view(b, L, self.n_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
-        return self._norm_rotary(self.q_norm, q, cos, sin), gate
+        return self.norm_rotary(self.q_norm, q, cos, sin), gate
 
     def forward(
         self,
@@ -85,27 +78,30 @@ class GatedAttention(nn.Module):
         """x [b, L, hidden]; mask bool [L, past_len + L] (True = visible) or None for all visible.
 
         `past_len` (a device tensor, with `num_splits`) marks `past` as the cache's whole buffers of which
-        the first past_len positions are committed: the static step of a CUDA graph (Triton backend)."""
-        b, L, _ = x.shape
+        the first past_len positions are committed: the static step of a CUDA graph (kernel attention)."""
         q, gate = self.project_q(x, cos, sin)
         new = self.project_kv(x, cos, sin)
-        if self.backend == "triton" and mask is None and L <= ATTENTION_MAX_BLOCK_LEN:
-            # A denoising step (or a single-block commit): every key is visible, flash-decoding kernel.
-            from ..kernels.attention import block_attention
+        return self.o_proj(self.attention(q, gate, new, mask, past, past_len, num_splits)), new
 
-            kc, vc = past if past is not None else (new.k[:, :, :0], new.v[:, :, :0])
-            length = past_len if past_len is not None else kc.shape[2]
-            out = block_attention(q, kc, vc, new.k, new.v, length, self.head_dim**-0.5,
-                                  gate=gate, num_splits=num_splits)
-            return self.o_proj(out), new
+    def attention(
+        self,
+        q: torch.Tensor,
+        gate: torch.Tensor,
+        new: AttentionUpdate,
+        mask: torch.Tensor | None,
+        past: tuple[torch.Tensor, torch.Tensor] | None,
+        past_len: torch.Tensor | None = None,
+        num_splits: int | None = None,
+    ) -> torch.Tensor:
+        """The gated attention output [b, L, heads * head_dim] of queries q over the past and the new keys."""
         if past_len is not None:  # SDPA below would attend to the whole buffers, unwritten rows included
-            raise ValueError("a device-side past_len needs the Triton backend, no mask and a block of at most "
-                             f"{ATTENTION_MAX_BLOCK_LEN} positions")
+            raise ValueError("a device-side past_len needs the block-attention kernel (installed at load on a GPU) "
+                             "and no mask")
+        b, _, L, _ = q.shape
         k, v = new.k, new.v
         if past is not None and past[0].shape[2] > 0:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
         out = attend(q, k, v, mask, self.head_dim**-0.5, expand_kv=q.is_cuda and mask is not None)
         out = out.transpose(1, 2).reshape(b, L, self.n_heads * self.head_dim)
-        out = out * torch.sigmoid(gate.reshape(b, L, -1))
-        return self.o_proj(out), new
+        return out * torch.sigmoid(gate.reshape(b, L, -1))

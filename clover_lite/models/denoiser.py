@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import DenoiseCache, LayerUpdate
-from .attention import GatedAttention
-from .config import ModelConfig
-from .gdn import GatedDeltaNet
-from .layers import RMSNorm, RotaryEmbedding, SwiGLU
-from .moe import SparseMoE
+from clover_lite.models.attention import GatedAttention
+from clover_lite.models.config import ModelConfig
+from clover_lite.models.gdn import GatedDeltaNet
+from clover_lite.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from clover_lite.models.moe import SparseMoE
+from clover_lite.runtime.cache import DenoiseCache, LayerUpdate
 
 
 def block_causal_mask(
@@ -72,7 +72,7 @@ class DecoderLayer(nn.Module):
 
 
 class Denoiser(nn.Module):
-    backend = "torch"  # "triton" once kernels.apply chose it: the decoding loop then samples with the kernel
+    backend = "torch"  # "triton" once kernels/dispatch.py installed the kernels (the engine samples with them too)
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import GDNUpdate
-from .config import ModelConfig
-from .layers import GatedRMSNorm, join_rows
+from clover_lite.models.config import ModelConfig
+from clover_lite.models.layers import GatedRMSNorm
+from clover_lite.runtime.cache import GDNUpdate
 
 
 def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,42 +115,25 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, c.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
 
-    backend = "torch"  # "triton" once kernels.apply chose it at load time
-
     def forward(
         self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], need_state: bool = True
     ) -> tuple[torch.Tensor, GDNUpdate | None]:
         """x [b, L, hidden]; state = (recurrent [b, HV, K, V] fp32, conv tail [b, C, kernel-1]), not modified.
         Returns the output and, if need_state, the state after x (a denoising step does not need it)."""
         recurrent, tail = state
-        if self.backend == "triton":
-            from ..kernels.gdn import gdn_chunked
-            from ..kernels.gdn_prep import gdn_prepare
-
-            # conv, SiLU, the heads' normalisation, g and beta in one kernel (instead of ~30 torch launches)
-            ab = getattr(self, "_ab_weight", None)
-            if ab is not None:  # in_proj_a and in_proj_b as one matmul (prepare)
-                a_b = F.linear(x, ab)
-                a, b = a_b[..., : self.n_v], a_b[..., self.n_v :]
-            else:
-                a, b = self.in_proj_a(x), self.in_proj_b(x)
-            q, k, v, g, beta, new_tail = gdn_prepare(
-                self.in_proj_qkv(x), tail, self.conv1d.weight.squeeze(1), a, b,
-                self.A_log, self.dt_bias, self.n_k, self.dk, self.value_dim, need_tail=need_state)
-            o, new_recurrent = gdn_chunked(q, k, v, g, beta, recurrent, write_state=need_state, normalized=True)
-        else:
-            mixed, new_tail = causal_conv(self.in_proj_qkv(x).transpose(1, 2), tail, self.conv1d.weight.squeeze(1))
-            q, k, v, g, beta = self.heads(x, mixed)
-            o, new_recurrent = gated_delta_rule_chunked(q, k, v, g, beta, recurrent)
+        o, new_recurrent, new_tail = self.mix(x, recurrent, tail, need_state)
         update = GDNUpdate(recurrent=new_recurrent, conv=new_tail.to(tail.dtype)) if need_state else None
         return self.output(x, o), update
 
-    def prepare(self) -> None:
-        """With the Triton backend: in_proj_a and in_proj_b (plain linears, HV rows each) as one weight, which
-        both then view (layers.join_rows)."""
-        a, b = self.in_proj_a, self.in_proj_b
-        plain = all(type(p) is nn.Linear and p.bias is None for p in (a, b))
-        self._ab_weight = join_rows([a, b]) if plain else None
+    def mix(
+        self, x: torch.Tensor, recurrent: torch.Tensor, tail: torch.Tensor, need_state: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The causal conv and the gated delta rule over x from the given state: (o [b, L, HV, V] fp32, the
+        recurrent state and conv tail after x; the kernels skip computing those when need_state is False)."""
+        mixed, new_tail = causal_conv(self.in_proj_qkv(x).transpose(1, 2), tail, self.conv1d.weight.squeeze(1))
+        q, k, v, g, beta = self.heads(x, mixed)
+        o, new_recurrent = gated_delta_rule_chunked(q, k, v, g, beta, recurrent)
+        return o, new_recurrent, new_tail
 
     def heads(self, x: torch.Tensor, mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """From x [b, L, hidden] and the conv output [b, C, L]: q, k [b, L, HK, K], v [b, L, HV, V],

@@ -1,4 +1,8 @@
-"""Small building blocks shared by the layers: RMSNorm variants, rotary embedding, SwiGLU MLP."""
+"""Small building blocks shared by the layers: RMSNorm variants, rotary embedding, SwiGLU MLP.
+
+Plain PyTorch, the reference of every kernel; kernels/dispatch.py installs kernel-backed forwards on these
+modules at load (docs/ARCHITECTURE.md, dispatch).
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,6 @@ from torch import nn
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32. Qwen3.5/Qwen3-Next store the weight zero-centred and scale by (1 + w)."""
 
-    backend = "torch"  # "triton" once kernels.apply chose it: one kernel (kernels/norm.py) instead of ~9
-
     def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = True):
         super().__init__()
         self.eps = eps
@@ -19,30 +21,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.backend == "triton":
-            from ..kernels.norm import rms_norm
-
-            return rms_norm(x, self.weight, self.eps, self.unit_offset)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         w = self.weight.float()
         return (xf * (1.0 + w if self.unit_offset else w)).to(x.dtype)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x): a decoder layer's residual add and this norm, one kernel on the
-        Triton path."""
-        if self.backend == "triton":
-            from ..kernels.norm import rms_norm
-
-            return rms_norm(x, self.weight, self.eps, self.unit_offset, residual=residual)
+        """(norm(residual + x), residual + x): a decoder layer's residual add and this norm (one kernel once
+        the kernels are installed)."""
         total = residual + x
         return self(total), total
 
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm of the GDN output followed by a SiLU gate: w * norm(x) * silu(z) (norm before gate)."""
-
-    backend = "torch"
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -51,10 +43,6 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """`dtype`: x is rounded to it first and the result is in it (the GDN's fp32 output, in the kernel)."""
-        if self.backend == "triton":
-            from ..kernels.norm import rms_norm
-
-            return rms_norm(x, self.weight, self.eps, unit_offset=False, gate=gate, out_dtype=dtype)
         x = x if dtype is None else x.to(dtype)
         dtype = x.dtype
         xf = x.float()
@@ -98,30 +86,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class SwiGLU(nn.Module):
     """Dense gated MLP: down(silu(gate(x)) * up(x)). Used for the shared expert and dense layers."""
 
-    backend = "torch"  # "triton": INT4 gate and up as one GEMM with the SiLU fused (models/quantized.py)
-
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def prepare(self) -> None:
-        """With the Triton backend (after the projections' own prepare): their INT4 weights, when both are
-        quantized alike, for the fused kernel; else None and the three linears run as they are."""
-        from .quantized import fused_gate_up
-
-        self._gate_up = fused_gate_up(self.gate_proj, self.up_proj)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """down(silu(gate(x)) * up(x)), plus `residual` (x's shape) if given."""
-        gate_up = getattr(self, "_gate_up", None) if self.backend == "triton" else None
-        if gate_up is not None:
-            from .quantized import int4_matmul
-
-            out = self.down_proj(int4_matmul(x, *gate_up))
-        else:
-            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return out if residual is None else residual + out
 
 

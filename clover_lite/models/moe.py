@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
-from .layers import SwiGLU, join_rows
+from clover_lite.models.config import ModelConfig
+from clover_lite.models.layers import SwiGLU
 
 
 class Router(nn.Module):
@@ -91,8 +91,6 @@ def dispatch(
 
 
 class SparseMoE(nn.Module):
-    backend = "torch"  # "triton": router and shared-expert gate as one matmul, routing in one kernel
-
     def __init__(self, config: ModelConfig):
         super().__init__()
         c = config
@@ -113,28 +111,18 @@ class SparseMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         res = residual.reshape(flat.shape) if residual is not None else None
         shared = self.shared_expert(flat) if self.shared_expert is not None else None
-        if self.backend == "triton" and not return_routing:
-            from ..kernels.moe_route import topk_softmax
+        if return_routing:  # training reads the router's probabilities: the reference routing
+            probs = self.gate.probs(flat)
+            weights, ids = self.gate.select(probs, flat.dtype)
+            shared_logit = self.shared_expert_gate(flat) if shared is not None else None
+            out = self.experts(flat, weights, ids, shared=shared, shared_logit=shared_logit, residual=res)
+            return out.reshape(shape), probs, ids
+        weights, ids, shared_logit = self.route(flat)
+        return self.experts(flat, weights, ids, shared=shared, shared_logit=shared_logit, residual=res).reshape(shape)
 
-            # One matmul gives the router's logits and the shared expert's gate logit (last column); the
-            # softmax, top-k and renormalisation are one kernel, the gate is applied in the experts' combine.
-            E = self.gate.weight.shape[0]
-            if getattr(self, "_gate_rows", None) is None:  # dispatch.apply prepares; a backend set by hand not
-                self.prepare()
-            logits = F.linear(flat, self._gate_rows)
-            weights, ids = topk_softmax(logits[:, :E], self.gate.top_k, self.gate.normalize, flat.dtype)
-            shared_logit = logits[:, E:] if shared is not None else None
-            return self.experts(flat, weights, ids, shared=shared, shared_logit=shared_logit,
-                                residual=res).reshape(shape)
-        probs = self.gate.probs(flat)
-        weights, ids = self.gate.select(probs, flat.dtype)
-        shared_logit = self.shared_expert_gate(flat) if shared is not None else None
-        out = self.experts(flat, weights, ids, shared=shared, shared_logit=shared_logit, residual=res)
-        return (out.reshape(shape), probs, ids) if return_routing else out.reshape(shape)
-
-    def prepare(self) -> None:
-        """With the Triton backend: the router's rows and the shared expert's gate row as one weight, which
-        the two modules' weights then view (no second copy)."""
-        mods = [self.gate] + ([self.shared_expert_gate] if self.shared_expert_gate is not None else [])
-        self._gate_rows = join_rows(mods)
-
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Routing weights and expert ids [T, k] of tokens flat [T, hidden], and the shared expert's gate logit
+        [T, 1] (None without a shared expert). The kernels do this as one matmul and one top-k kernel."""
+        weights, ids = self.gate.select(self.gate.probs(flat), flat.dtype)
+        shared_logit = self.shared_expert_gate(flat) if self.shared_expert is not None else None
+        return weights, ids, shared_logit

@@ -2,7 +2,8 @@
 
 `QuantLinear` (GPTQ) and `NF4Linear` (the bitsandbytes baseline) replace an nn.Linear; `QuantExperts`
 replaces the fused float experts of an MoE layer with per-part stacks (gate / up / down, each
-[experts, ...]). The Triton kernels plug in behind `forward`.
+[experts, ...]). kernels/dispatch.py installs the Triton kernels behind `forward` at load, and may then
+rearrange the packed words for them (`packed` reads them back in the GPTQ order).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quant.nf4 import dequantize_nf4
-from ..quant.pack import PACK, dequantize, sort_rows_by_group, zero_offset
-from .moe import add_shared_and_residual, dispatch
+from clover_lite.models.moe import add_shared_and_residual, dispatch
+from clover_lite.quant.nf4 import dequantize_nf4
+from clover_lite.quant.pack import PACK, dequantize, zero_offset
 
 
 class QuantLinear(nn.Module):
@@ -43,73 +44,30 @@ class QuantLinear(nn.Module):
         self.register_buffer("qzeros", torch.zeros(*lead, groups, out_features // PACK, dtype=torch.int32))
         self.register_buffer("scales", torch.zeros(*lead, groups, out_features, dtype=torch.float16))
         self.register_buffer("g_idx", torch.zeros(*lead, in_features, dtype=torch.int32))
-        # Set by prepare() for act-order weights repacked for the kernels: qweight row k is input column
-        # k_perm[k]. Not saved: a prepared module's buffers are in the kernels' order.
+        # Set when the kernels are installed, for act-order weights repacked by group: qweight row k is input
+        # column k_perm[k]. Not saved: a prepared module's buffers are in the kernels' order.
         self.register_buffer("k_perm", None, persistent=False)
         self.bias = nn.Parameter(torch.zeros(*lead, out_features)) if bias else None
 
-    backend = "torch"  # "triton" once kernels.apply chose it at load time
-    mma_order = 0  # set by prepare() when qweight's words were rearranged for the tensor cores (mma_layout.py)
+    def packed(self, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qweight, qzeros, scales, g_idx) as the checkpoint stores them (of stack entry `index`)."""
+        t = (self.qweight, self.qzeros, self.scales, self.g_idx)
+        return t if index is None else tuple(x[index] for x in t)
 
     def weight_of(self, index: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dequantized W [out, in] (of stack entry `index` for stacked experts)."""
-        t = (self.qweight, self.qzeros, self.scales, self.g_idx)
-        if index is not None:
-            t = tuple(x[index] for x in t)
-        if self.mma_order:
-            from ..kernels.mma_layout import from_mma
-
-            t = (from_mma(t[0], self.mma_order), *t[1:])
-        w = dequantize(*t, checkpoint_format=self.checkpoint_format, dtype=dtype)
+        w = dequantize(*self.packed(index), checkpoint_format=self.checkpoint_format, dtype=dtype)
         if self.k_perm is not None:  # repacked rows: put each column back at its input position
             perm = self.k_perm if index is None else self.k_perm[index]
             w = torch.empty_like(w).scatter_(-1, perm.unsqueeze(-2).expand_as(w), w)
         return w
 
-    def _plain_groups(self) -> torch.Tensor:
+    def plain_groups(self) -> torch.Tensor:
+        """The g_idx of weights without act-order: input column k is in group k // group_size."""
         K, G = self.in_features, self.groups
         return torch.arange(K, device=self.g_idx.device, dtype=torch.int32) // (K // G)
 
-    def int4(self):
-        """The weights as the Triton kernels take them; an act-order g_idx that is plain k // group_size
-        (static groups) is dropped so the kernel takes its per-tile fast path."""
-        from ..kernels.w4a16 import Int4Weights
-
-        K, G = self.in_features, self.groups
-        g_idx = None if bool((self.g_idx == self._plain_groups()).all()) else self.g_idx
-        return Int4Weights(self.qweight, self.scales, self.qzeros, K // G, g_idx, self.checkpoint_format,
-                           perm=self.k_perm, mma_order=self.mma_order)
-
-    def prepare(self) -> None:
-        """Called when the Triton backend is chosen: the kernels' view of the weights, cached (the g_idx
-        checks sync with the device, which must not happen on every step). Act-order weights whose groups
-        are only reordered (every group exactly group_size rows, as GPTQ's desc_act writes them) are
-        repacked in place once so that each group's rows are contiguous: the kernels then take their
-        per-tile path and the input's columns are gathered instead (M x K values, where the per-element
-        path gathers K x N scales and zeros and needs several times the shared memory). Then, where the
-        groups allow it, the words are rearranged in place into the order of the tensor cores' operand
-        registers (kernels/mma_layout.py); weight_of reads them back. Neither is saved: the buffers are in
-        the kernels' order (k_perm and mma_order live on the module only)."""
-        from ..kernels import mma_layout
-
-        plain = self._plain_groups()
-        if self.k_perm is None and not bool((self.g_idx == plain).all()):
-            repacked = sort_rows_by_group(self.qweight, self.g_idx, self.in_features // self.groups)
-            if repacked is not None:
-                self.qweight.copy_(repacked[0])
-                self.g_idx.copy_(plain.expand_as(self.g_idx))
-                self.k_perm = repacked[1]
-        if not self.mma_order and mma_layout.eligible(self.in_features, self.in_features // self.groups, None) \
-                and bool((self.g_idx == plain).all()):
-            order = mma_layout.kernel_order()
-            mma_layout.repack_(self.qweight, order)
-            self.mma_order = order
-        self._int4 = self.int4()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.backend == "triton":
-            y = int4_matmul(x, getattr(self, "_int4", None) or self.int4())
-            return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight_of(dtype=x.dtype), self.bias)
 
     def extra_repr(self) -> str:
@@ -160,75 +118,13 @@ class QuantExperts(nn.Module):
         up = F.linear(h, self.up_proj.weight_of(e, h.dtype))
         return F.linear(F.silu(gate) * up, self.down_proj.weight_of(e, h.dtype))
 
-    backend = "torch"
-    graph_safe = False  # True only inside graph.StaticStep.forward: never the padded path (host-sized buffers)
-
-    def prepare(self) -> None:
-        """After the stacks' own prepare (dispatch.apply prepares children first): gate and up share one
-        row order where GPTQ's act-order gave them the same (share_row_order)."""
-        share_row_order(self.gate_proj, self.up_proj)
-
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None = None,
                 shared_logit: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """As moe.Experts.forward; the shared expert's gated output and the residual are added in the combine
-        on the kernel path."""
-        if self.backend == "triton" and isinstance(self.gate_proj, QuantLinear):
-            from ..kernels.moe import fused_moe
-
-            parts = [getattr(p, "_int4", None) or p.int4() for p in (self.gate_proj, self.up_proj, self.down_proj)]
-            extra = dict(validate=False, shared=shared, shared_logit=shared_logit, residual=residual)
-            if self.graph_safe:
-                return fused_moe(x, weights, ids, *parts, gemv_max_rows=1 << 30, **extra)
-            return fused_moe(x, weights, ids, *parts, **extra)
+        """As moe.Experts.forward (the kernels add the shared expert's gated output and the residual in their
+        combine)."""
         # Reference path: each expert that received tokens is dequantized and run once.
         out = dispatch(x, weights, ids, self.num_experts, self.expert)
         return add_shared_and_residual(out, shared, shared_logit, residual)
-
-
-def share_row_order(gate: nn.Module, up: nn.Module) -> None:
-    """Gate and up projections see the same inputs, so GPTQ's act-order gives them the same row order: they
-    then share one permutation tensor, and the fused gate/up kernel reads one gathered input (the kernels
-    tell the orders apart by identity)."""
-    if not (isinstance(gate, QuantLinear) and isinstance(up, QuantLinear)):
-        return
-    if gate.k_perm is not None and up.k_perm is not None and gate.k_perm is not up.k_perm \
-            and torch.equal(gate.k_perm, up.k_perm):
-        up.k_perm = gate.k_perm
-        up._int4 = up.int4()
-
-
-def fused_gate_up(gate: nn.Module, up: nn.Module):
-    """The kernels' INT4 weights of a gate and an up projection that one fused GEMM can take (both GPTQ
-    linears without bias, same sizes, groups, format and row order), else None."""
-    from ..kernels.w4a16 import _check_pair
-
-    if not (isinstance(gate, QuantLinear) and isinstance(up, QuantLinear)) or gate.bias is not None \
-            or up.bias is not None:
-        return None
-    share_row_order(gate, up)
-    if gate.k_perm is not up.k_perm:  # one gathered input for both, or none
-        return None
-    g, u = (getattr(p, "_int4", None) or p.int4() for p in (gate, up))
-    if g.E != 1:
-        return None
-    try:
-        _check_pair(g, u)
-    except ValueError:
-        return None
-    return g, u
-
-
-def int4_matmul(x: torch.Tensor, w, w2=None) -> torch.Tensor:
-    """x [..., K] times one linear's INT4 weights (kernels.w4a16.Int4Weights) -> [..., N] on the kernels: the
-    GEMV for up to 4 rows, else the GEMM; x's columns gathered first for weights repacked by group. With `w2`
-    (fused_gate_up's pair): silu(x w^T) * (x w2^T) in the same launch."""
-    from ..kernels.w4a16 import gemm, gemv
-
-    x2 = x.reshape(-1, w.K)
-    if w.perm is not None:
-        x2 = x2.index_select(1, w.perm[0])
-    y = gemv(x2, w, w2) if x2.shape[0] <= 4 else gemm(x2, w, w2)
-    return y.reshape(*x.shape[:-1], w.N)
 
 
 def gptq_experts(num_experts: int, hidden: int, intermediate: int, groups_in: int, groups_down: int,

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from ..corpus import split_files
-from ..errors import CloverError
-from ..tokenizer import Tokenizer
+from clover_lite.errors import CloverError
+from clover_lite.tokenizer.tokenizer import Tokenizer
+from clover_lite.training.corpus import split_files
 
 MODES = ("diffusion", "clean")
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import Engine, on_device
-from ..errors import CloverError
-from .calibration import heldout_texts, read_calibration_file, token_stream
+from clover_lite.errors import CloverError
+from clover_lite.quant.calibration import heldout_texts, read_calibration_file, token_stream
+from clover_lite.runtime.engine import Engine, on_device
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .rtn import QuantizedWeight, QuantSpec, find_params, quantize_to_int
+from clover_lite.quant.rtn import QuantizedWeight, QuantSpec, find_params, quantize_to_int
 
 
 class HessianAccumulator:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CloverError
+from clover_lite.errors import CloverError
 
 # The 16 NF4 levels (Dettmers et al. 2023, QLoRA, appendix E), as bitsandbytes uses them.
 NF4_LEVELS = (

@@ -27,19 +27,26 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..errors import CloverError
-from ..loader import Checkpoint, build_model, canonical_name, copy_tensors, plan_checkpoint, read_header
-from ..models.config import ModelConfig, load_config
-from ..models.denoiser import Denoiser, block_causal_mask
-from ..models.moe import SparseMoE
-from ..models.quantized import NF4Linear, QuantLinear, gptq_experts, nf4_experts
-from ..saver import checkpoint_tensors, publish_directory
-from ..tokenizer import Tokenizer
-from .calibration import calibration_ids, read_calibration_file, stdlib_texts, token_stream
-from .gptq import HessianAccumulator, gptq_quantize, weighted_error
-from .nf4 import quantize_nf4
-from .pack import PACK
-from .rtn import QuantizedWeight, QuantSpec, quantize_rtn
+from clover_lite.checkpoint.load import (
+    Checkpoint,
+    build_model,
+    canonical_name,
+    copy_tensors,
+    plan_checkpoint,
+    read_header,
+)
+from clover_lite.checkpoint.save import checkpoint_tensors, publish_directory
+from clover_lite.errors import CloverError
+from clover_lite.models.config import ModelConfig, load_config
+from clover_lite.models.denoiser import Denoiser, block_causal_mask
+from clover_lite.models.moe import SparseMoE
+from clover_lite.models.quantized import NF4Linear, QuantLinear, gptq_experts, nf4_experts
+from clover_lite.quant.calibration import calibration_ids, read_calibration_file, stdlib_texts, token_stream
+from clover_lite.quant.gptq import HessianAccumulator, gptq_quantize, weighted_error
+from clover_lite.quant.nf4 import quantize_nf4
+from clover_lite.quant.pack import PACK
+from clover_lite.quant.rtn import QuantizedWeight, QuantSpec, quantize_rtn
+from clover_lite.tokenizer.tokenizer import Tokenizer
 
 METHODS = ("gptq", "rtn", "nf4")
 COPIED_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "chat_template.jinja",

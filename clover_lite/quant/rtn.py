@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .pack import MAXQ, pack_qweight, pack_qzeros, zero_offset
+from clover_lite.quant.pack import MAXQ, pack_qweight, pack_qzeros, zero_offset
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Objective: a window of T tokens is cut into blocks of B on the grid from position 0. Each block gets a
 mask ratio t ~ U(0, 1] and ceil(t * B) of its positions are replaced by the mask token; the loss is the
 cross-entropy of the clean token at each masked position (no shift: a masked position predicts itself,
-as `clover_lite.generation` scores it), with the clean prefix visible.
+as `clover_lite.runtime.generation` scores it), with the clean prefix visible.
 
 One forward trains every block: the clean window and its noisy copy run side by side through the
 runtime's own layer modules. Clean positions see the clean window block-causally (what a DenoiseCache
@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .models.denoiser import Denoiser
-from .models.gdn import gdn_block_states
-from .models.moe import SparseMoE
+from clover_lite.models.denoiser import Denoiser
+from clover_lite.models.gdn import gdn_block_states
+from clover_lite.models.moe import SparseMoE
 
 
 # ---- noise -------------------------------------------------------------------------------------

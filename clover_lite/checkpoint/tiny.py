@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from .byte_tokenizer import DEFAULT_SPECIALS, write_byte_tokenizer
-from .models.config import config_from_dict
-from .models.denoiser import Denoiser
-from .random_weights import init_random_
-from .saver import save_checkpoint
+from clover_lite.checkpoint.random_weights import init_random_
+from clover_lite.checkpoint.save import save_checkpoint
+from clover_lite.models.config import config_from_dict
+from clover_lite.models.denoiser import Denoiser
+from clover_lite.tokenizer.byte_tokenizer import DEFAULT_SPECIALS, write_byte_tokenizer
 
 
 def tiny_config(**overrides: Any) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from clover_lite.errors import TokenizerError
+from clover_lite.tokenizer.incremental import IncrementalDecoder
 
 TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_MODEL = "tokenizer.model"
@@ -49,6 +50,9 @@ class _HFBackend:
         self.added = {t.content: i for i, t in added.items()}
         self.special_ids = {i for i, t in added.items() if t.special}
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        # Byte-level and Metaspace decodes map each token on its own (bar the first token's space); others, such
+        # as ByteFallback (a later byte can turn a whole run of byte tokens into U+FFFD), are not known local.
+        self.decodes_locally = isinstance(tok.decoder, (tokenizers.decoders.ByteLevel, tokenizers.decoders.Metaspace))
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -75,6 +79,9 @@ class _SPBackend:
         self.special_ids = {i for i, (_, special) in added.items() if special}
         self.special_ids |= {i for i in range(self.sp_size) if sp.is_control(i) or sp.is_unknown(i)}
         self.vocab_size = max([self.sp_size, *(i + 1 for i in added)])
+        # Pieces decode on their own but for the space a text's first piece drops; byte pieces one character at a
+        # time. So the text after a clean boundary depends only on whether some text comes before it.
+        self.decodes_locally = True
         # Longest first, so an added token that contains another one wins.
         names = sorted(self.added, key=len, reverse=True)
         self.split_re = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
@@ -230,6 +237,12 @@ class Tokenizer:
                 f"model sampled or was given ids its tokenizer does not know; mask logits past the vocab."
             )
         return self._backend.decode(ids, skip_special_tokens)
+
+    def incremental_decoder(self, skip_special_tokens: bool = False) -> IncrementalDecoder:
+        """A decoder of a growing id list whose text is always `decode(ids, skip_special_tokens)`: decoding a few
+        ids at its end per push where this tokenizer's decode is local, else re-decoding all of them."""
+        return IncrementalDecoder(lambda ids: self.decode(ids, skip_special_tokens),
+                                  windowed=self._backend.decodes_locally)
 
     def token_to_id(self, token: str) -> int | None:
         """Id of one vocabulary entry or added token, or None when there is none."""

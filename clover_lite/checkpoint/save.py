@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .errors import CloverError
-from .models.denoiser import Denoiser
+from clover_lite.errors import CloverError
+from clover_lite.models.denoiser import Denoiser
 
 
 def checkpoint_tensors(

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models.config import ModelConfig
+from clover_lite.models.config import ModelConfig
 
 
 @dataclass

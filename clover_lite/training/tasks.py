@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
-from .byte_tokenizer import DEFAULT_CHAT_TEMPLATE
+from clover_lite.tokenizer.byte_tokenizer import DEFAULT_CHAT_TEMPLATE
 
 TASKS = ("sort", "add", "reverse", "rules")
 

@@ -20,11 +20,11 @@ from collections.abc import Sequence
 
 import torch
 
-from .cache import DenoiseCache
-from .kernels.configs import ATTENTION_MAX_BLOCK_LEN as MAX_BLOCK_LEN
-from .models.denoiser import Denoiser
-from .models.moe import SparseMoE
-from .models.quantized import QuantExperts, QuantLinear
+from clover_lite.kernels.configs import ATTENTION_MAX_BLOCK_LEN as MAX_BLOCK_LEN
+from clover_lite.models.denoiser import Denoiser
+from clover_lite.models.moe import SparseMoE
+from clover_lite.models.quantized import QuantExperts, QuantLinear
+from clover_lite.runtime.cache import DenoiseCache
 
 
 class StaticStep:
@@ -54,7 +54,7 @@ class StaticStep:
         self.ids = torch.zeros(1, block_size, dtype=torch.long, device=device)
         self.length = torch.zeros(1, dtype=torch.int32, device=device)
         self.offsets = torch.arange(block_size, device=device)
-        from .kernels.attention import splits_for_capacity  # Triton: imported only when a step is built
+        from clover_lite.kernels.attention import splits_for_capacity  # Triton: imported only when a step is built
 
         c, dtype = model.config, model.embed_tokens.weight.dtype
         self.num_splits = splits_for_capacity(cache.capacity, 1, c.num_attention_heads, c.num_key_value_heads,

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from .errors import CloverError
-from .models.config import ModelConfig, config_from_dict, load_config
+from clover_lite.errors import CloverError
+from clover_lite.models.config import ModelConfig, config_from_dict, load_config
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -131,7 +131,7 @@ def clover_35b_a3b_config() -> dict[str, Any]:
 
 
 def _tiny() -> dict[str, Any]:
-    from .tiny import tiny_config
+    from clover_lite.checkpoint.tiny import tiny_config
 
     return tiny_config()
 
@@ -616,7 +616,7 @@ def _config_of(config: ModelConfig | dict | str | os.PathLike) -> tuple[ModelCon
     p = Path(config)
     if not p.exists():
         raise CloverError(f"{p}: no such model directory or config (named configs: {', '.join(NAMED_CONFIGS)})")
-    from .loader import read_quant_config
+    from clover_lite.checkpoint.load import read_quant_config
 
     qc = read_quant_config(p) if p.is_dir() else None
     return load_config(p), p.name, qc
@@ -683,7 +683,7 @@ def plan(
 
 def _default_backend(device, gpu: bool) -> str:
     """The kernels `load` would choose: kernels.dispatch.select for a real device, Triton for a GPU card."""
-    from .kernels import dispatch
+    from clover_lite.kernels import dispatch
 
     real = isinstance(device, torch.device) or (
         isinstance(device, str) and device.lower().split(":")[0] in ("cpu", "cuda"))
@@ -701,10 +701,10 @@ def meta_model(config: ModelConfig | str, quant: str | dict | QuantScheme | None
     allocated): quantized modules swapped in through the loader's own `install_quantized_modules`, from a
     synthetic list of the tensors a GPTQ / NF4 checkpoint of this model holds. For `clover bench` (random
     weights) and for checking the planner."""
-    from .loader import TensorInfo, install_quantized_modules
-    from .models.denoiser import Denoiser
-    from .models.moe import SparseMoE
-    from .quant.pipeline import layer_targets
+    from clover_lite.checkpoint.load import TensorInfo, install_quantized_modules
+    from clover_lite.models.denoiser import Denoiser
+    from clover_lite.models.moe import SparseMoE
+    from clover_lite.quant.pipeline import layer_targets
 
     cfg = named_config(config) if isinstance(config, str) else config
     scheme = parse_quant(quant)
@@ -756,7 +756,7 @@ def check_load(path: Path, config: ModelConfig, device: torch.device, dtype: tor
     CUDA: the plan at `context` tokens (the engine's, when the caller fixed it; else LOAD_CHECK_CONTEXT)
     against the device's free memory. CPU: only refuse when the
     weights alone exceed the available RAM (swap and overcommit make anything less a guess)."""
-    from .loader import read_quant_config
+    from clover_lite.checkpoint.load import read_quant_config
 
     if device.type not in ("cpu", "cuda"):
         return None

@@ -3,7 +3,7 @@ task/text mix of the training windows.
 
 Text is what exists wherever Python does: the stdlib's .py files (tests excluded; pydoc's topic
 docs are among them). A file is held out when a hash of its relative path says so, so the split is
-the same on every machine with the same Python. Tasks come from `clover_lite.tasks`.
+the same on every machine with the same Python. Tasks come from `clover_lite.training.tasks`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from . import tasks
-from .byte_tokenizer import DEFAULT_SPECIALS, write_tokenizer_config
+from clover_lite.tokenizer.byte_tokenizer import DEFAULT_SPECIALS, write_tokenizer_config
+from clover_lite.training import tasks
 
 SPECIALS = DEFAULT_SPECIALS  # ids 0..3 here (trained BPE), 256.. in the byte tokenizer
 EOT, MASK = "<|endoftext|>", "<|mask|>"

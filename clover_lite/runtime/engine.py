@@ -10,16 +10,18 @@ from pathlib import Path
 
 import torch
 
-from .errors import CloverError, GenerationError
-from .generation import CachedRunner, DoneEvent, Event, Generation, GenerationConfig, denoise
-from .loader import LoadReport, load_model
-from .models.config import ModelConfig, load_config
-from .models.denoiser import Denoiser
-from .tokenizer import Tokenizer
+from clover_lite.checkpoint.load import LoadReport, load_model
+from clover_lite.errors import CloverError, GenerationError
+from clover_lite.kernels import dispatch
+from clover_lite.models.config import ModelConfig, load_config
+from clover_lite.models.denoiser import Denoiser
+from clover_lite.runtime.generation import CachedRunner, DoneEvent, Event, Generation, GenerationConfig, denoise
+from clover_lite.tokenizer.incremental import IncrementalDecoder
+from clover_lite.tokenizer.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
-BUNDLED_MODEL = Path(__file__).parent / "data" / "clover-tiny"
+BUNDLED_MODEL = Path(__file__).parents[1] / "data" / "clover-tiny"
 
 
 def default_model_path() -> Path:
@@ -100,6 +102,7 @@ class Engine:
         eos = list(self.config.eos_token_ids) + (list(tokenizer.eos_token_ids) if tokenizer else [])
         self.eos_token_ids = list(dict.fromkeys(eos))
         self.default_config = GenerationConfig(block_size=self.config.block_size)
+        self._choose = dispatch.chooser(getattr(model, "backend", "torch"))
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._cache, self._static = None, None
@@ -111,7 +114,7 @@ class Engine:
         if static_step is None:
             static_step = False
             if self.device.type == "cuda" and size >= block:  # graph.py needs Triton (CPU-only installs lack it)
-                from .graph import StaticStep
+                from clover_lite.runtime.graph import StaticStep
 
                 static_step = StaticStep.supported(model, block) is None
         if static_step:
@@ -121,7 +124,7 @@ class Engine:
             self._build_static(size)
 
     def _build_static(self, context: int) -> None:
-        from .graph import StaticStep
+        from clover_lite.runtime.graph import StaticStep
 
         block = self.default_config.resolved(self.config.block_size).block_size
         self._cache = self.model.new_cache(capacity=context)
@@ -170,6 +173,10 @@ class Engine:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer else ""
 
+    def detokenizer(self) -> IncrementalDecoder | None:
+        """A fresh decoder of a growing reply whose text is always `decode` of its ids (None: no tokenizer)."""
+        return self.tokenizer.incremental_decoder(skip_special_tokens=True) if self.tokenizer else None
+
     def _tokenizer_or_error(self) -> Tokenizer:
         if self.tokenizer is None:
             raise GenerationError(f"{self.path}: the model has no tokenizer files; pass token ids instead of text")
@@ -207,10 +214,11 @@ class Engine:
                 limit = self.context_limit
                 events = denoise(
                     runner, ids, cfg, self.mask_token_id, self.eos_token_ids,
-                    decode=self.decode, max_length=limit,
+                    detokenizer=self.detokenizer(), max_length=limit,
                     context_note="" if limit >= self.config.max_position_embeddings else
                     f" (this engine's; the model's is {self.config.max_position_embeddings}: load with a longer "
                     "context, --context N, if memory allows)",
+                    chooser=self._choose,
                 )
                 try:
                     while True:
@@ -265,7 +273,7 @@ def load(
     dt = resolve_dtype(dtype, dev)
     fits = None
     if check_memory:
-        from .planner import check_load
+        from clover_lite.planning.planner import check_load
 
         p = check_load(model_path, config, dev, dt, context)
         if context is None and p is not None and dev.type == "cuda":

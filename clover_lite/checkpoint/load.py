@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError
-from .models.config import ModelConfig
-from .models.denoiser import Denoiser
+from clover_lite.errors import CheckpointError
+from clover_lite.models.config import ModelConfig
+from clover_lite.models.denoiser import Denoiser
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -293,7 +293,7 @@ def read_quant_config(path: Path) -> dict | None:
 def install_quantized_modules(model: Denoiser, canon: dict[str, TensorInfo], qc: dict) -> None:
     """Swap the float modules that the checkpoint stores quantized (GPTQ `qweight`, NF4 `nf4_weight`)
     for quantized ones, on the meta device."""
-    from .models.quantized import NF4Linear, QuantLinear, gptq_experts, nf4_experts
+    from clover_lite.models.quantized import NF4Linear, QuantLinear, gptq_experts, nf4_experts
 
     nf4 = qc.get("quant_method") == "nf4"
     marker = ".nf4_weight" if nf4 else ".qweight"
@@ -338,7 +338,7 @@ def install_quantized_modules(model: Denoiser, canon: dict[str, TensorInfo], qc:
 
 
 def _fill_default_g_idx(model: Denoiser, filled: set) -> None:
-    from .models.quantized import QuantLinear
+    from clover_lite.models.quantized import QuantLinear
 
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
@@ -499,7 +499,7 @@ def load_model(
 ) -> tuple[Denoiser, LoadReport]:
     """Load a checkpoint; `kernels` (auto|torch|triton, default $CLOVER_KERNELS or auto) picks the
     implementation of the quantized modules once, here."""
-    from .kernels import dispatch
+    from clover_lite.kernels import dispatch
 
     ckpt = Checkpoint(path)
     model = build_model(config, device, dtype, ckpt)

@@ -15,9 +15,10 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from .errors import GenerationError
-from .models.denoiser import Denoiser
-from .sampling import CONFIDENCES, choose
+from clover_lite.errors import GenerationError
+from clover_lite.models.denoiser import Denoiser
+from clover_lite.runtime.sampling import CONFIDENCES, choose
+from clover_lite.tokenizer.incremental import IncrementalDecoder
 
 POLICIES = ("threshold", "fixed")
 COMMIT_MODES = ("exact", "reuse")
@@ -269,10 +270,16 @@ def denoise(
     decode: Callable[[list[int]], str] | None = None,
     max_length: int | None = None,
     context_note: str = "",
+    chooser: Callable = choose,
+    detokenizer: IncrementalDecoder | None = None,
 ) -> Iterator[Event]:
     """Generate after `prompt_ids` by block diffusion, yielding an event per step and per block and a
     final DoneEvent. `cfg` must be resolved (block_size and steps_per_block set). `context_note` follows
-    max_length in the error for a request over it (where that limit comes from)."""
+    max_length in the error for a request over it (where that limit comes from). `chooser` picks each
+    step's tokens and confidences (`runtime.sampling.choose`'s contract): the engine passes the one chosen
+    at load with the kernels. The events' text comes from `detokenizer`, a fresh IncrementalDecoder (the engine
+    passes its tokenizer's), else from `decode` re-run on all generated ids at every step (exact for any
+    function, in time that grows with the reply), else is empty."""
     t0 = time.perf_counter()
     B = cfg.block_size
     P = len(prompt_ids)
@@ -284,7 +291,6 @@ def denoise(
             f"prompt ({P} tokens) + max_new_tokens ({cfg.max_new_tokens}) = {total} exceeds the context "
             f"of {max_length} tokens{context_note}; shorten the prompt or lower max_new_tokens"
         )
-    decode = decode or (lambda ids: "")
     eos_ids = set() if cfg.ignore_eos else set(eos_token_ids)
     stop_ids = (set(cfg.stop_token_ids) | eos_ids) - {mask_token_id}
     generator = None
@@ -292,9 +298,6 @@ def denoise(
         generator = torch.Generator(device=runner.device)
         generator.manual_seed(cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
 
-    chooser = choose
-    if getattr(getattr(runner, "model", None), "backend", "torch") == "triton":
-        from .kernels.sampling import choose_fused as chooser
     stats = GenerationStats(prompt_tokens=P)
     runner.reserve(total)
     first_start = P // B * B
@@ -305,27 +308,15 @@ def denoise(
 
     generated: list[int] = []  # final tokens of finished blocks (generated part only)
     finish, out_ids, out_text = "length", None, None
-
-    def check_stop(gen: list[int | None]) -> tuple[str, list[int], str] | None:
-        """A stop token or string inside the contiguous committed prefix of the generated tokens."""
-        prefix: list[int] = []
-        for t in gen:
-            if t is None:
-                break
-            if t in stop_ids:
-                return ("eos" if t in eos_ids else "stop"), prefix, decode(prefix)
-            prefix.append(t)
-        if cfg.stop and prefix:
-            text = decode(prefix)
-            hits = [text.find(s) for s in cfg.stop if s in text]
-            if hits:
-                return "stop", prefix, text[: min(hits)]
-        return None
+    # The text of the contiguous committed prefix, decoded as it grows: a step costs the same at any length.
+    detok = detokenizer if detokenizer is not None else IncrementalDecoder(decode or _no_text, windowed=False)
 
     start = first_start
     while start < total and out_ids is None:
         end = min(start + B, total)
         block: list[int | None] = list(prompt_ids[start:P]) + [None] * (end - max(start, P))
+        gen0 = max(P - start, 0)  # the block's first generated position
+        seen = gen0  # block[gen0:seen] is committed, contiguous with `generated` and pushed to `detok`
         step_in_block = 0
         while None in block:
             masked = [i for i, t in enumerate(block) if t is None]
@@ -343,46 +334,53 @@ def denoise(
             stats.forwards += 1
             stats.committed_tokens += len(pick)
             step_in_block += 1
-            gen_view = generated + block[max(P - start, 0) :]
-            stopped = check_stop(gen_view)
+            # A stop token or string in the contiguous committed prefix: earlier steps found none in theirs, so
+            # only the tokens this step made contiguous, and the text they changed, can hold one.
+            reason, new = None, []
+            while seen < len(block) and block[seen] is not None:
+                if block[seen] in stop_ids:
+                    reason = "eos" if block[seen] in eos_ids else "stop"
+                    break
+                new.append(block[seen])
+                seen += 1
+            text = detok.push(new)
+            if reason is None and cfg.stop and new:
+                # A match not in the previous text ends after what this push left unchanged.
+                hits = [i for s in cfg.stop if (i := text.find(s, max(0, detok.changed_from - len(s) + 1))) >= 0]
+                if hits:
+                    reason, text = "stop", text[: min(hits)]
             committed = sorted(start + masked[j] for j in pick)
-            contiguous = [] if stopped else _contiguous(gen_view)
             yield StepEvent(
                 block_start=start,
                 committed=committed,
                 tokens=[block[p - start] for p in committed],
                 block=list(block),
-                text=stopped[2] if stopped else decode(contiguous),
+                text=text,
             )
-            if stopped:
-                finish, out_ids, out_text = stopped
+            if reason is not None:
+                finish, out_ids, out_text = reason, generated + block[gen0:seen], text
                 break
         if out_ids is not None:
             break
         final = [int(t) for t in block]
-        generated += final[max(P - start, 0) :]
+        generated += final[gen0:]  # what `detok` holds: the whole block was contiguous, with no stop token
         stats.blocks += 1
         if end < total:
             runner.commit(final)
             stats.commit_forwards += 1
-        yield BlockEvent(block_start=start, tokens=final, text=decode(generated))
+        yield BlockEvent(block_start=start, tokens=final, text=detok.text)
         start = end
 
     if out_ids is None:
         out_ids = generated
-        out_text = decode(generated)
+        out_text = detok.text
     stats.new_tokens = len(out_ids)
     stats.seconds = time.perf_counter() - t0
     yield DoneEvent(Generation(text=out_text, token_ids=list(out_ids), finish_reason=finish, stats=stats))
 
 
-def _contiguous(tokens: list[int | None]) -> list[int]:
-    out = []
-    for t in tokens:
-        if t is None:
-            break
-        out.append(t)
-    return out
+def _no_text(ids: list[int]) -> str:
+    return ""
 
 
 def run_to_end(events: Iterator[Event]) -> Generation:

@@ -1,0 +1,1 @@
+"""Checkpoints on disk: reading safetensors, mapping Hub names, loading, saving."""

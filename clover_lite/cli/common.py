@@ -1,0 +1,102 @@
+"""What the `clover` commands share: their option sets, loading with a progress bar, error exits and the
+streamer that prints a reply as it grows."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+class TextStreamer:
+    """Turns the growing 'text so far' of step events into chunks safe to print: it holds back a
+    trailing partial UTF-8 character and anything that could still turn out to start a stop string."""
+
+    def __init__(self, stop: tuple[str, ...] = ()):
+        self.printed = ""
+        self.hold = max((len(s) for s in stop), default=1) - 1
+
+    def feed(self, text: str) -> str:
+        text = text.rstrip("\ufffd")
+        safe = text[: len(text) - self.hold] if self.hold else text
+        if not safe.startswith(self.printed) or len(safe) <= len(self.printed):
+            return ""
+        chunk, self.printed = safe[len(self.printed) :], safe
+        return chunk
+
+    def finish(self, text: str) -> str:
+        if text.startswith(self.printed):
+            return text[len(self.printed) :]
+        # Should not happen (text only grows); show the whole answer rather than a garbled one.
+        return "\n" + text
+
+
+def load_with_progress(path, **kwargs):
+    """clover_lite.load with a progress bar on a terminal (stderr) and the loader's notes printed."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from clover_lite.runtime.engine import load
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        engine = load(path, **kwargs)
+    else:
+        columns = (TextColumn("loading"), BarColumn(), TextColumn("{task.completed}/{task.total} tensors"),
+                   TimeRemainingColumn())
+        with Progress(*columns, console=console, transient=True) as bar:
+            task = bar.add_task("load", total=None)
+            engine = load(path, progress=lambda done, total: bar.update(task, completed=done, total=total), **kwargs)
+    for note in engine.load_report.notes if engine.load_report else []:
+        click.echo(f"note: {note}", err=True)
+    return engine
+
+
+def fail(e: Exception) -> None:
+    click.echo(f"error: {e}", err=True)
+    sys.exit(1)
+
+
+def decoding_options(f):
+    options = [
+        click.option("--max-new-tokens", "-n", type=int, default=256, show_default=True, help="Tokens to generate."),
+        click.option("--block-size", type=int, default=None, help="Block size (default: the model's)."),
+        click.option("--steps-per-block", type=int, default=None,
+                     help="Steps per block for --policy fixed (default: one token per step)."),
+        click.option("--policy", type=click.Choice(["threshold", "fixed"]), default="threshold", show_default=True),
+        click.option("--threshold", type=float, default=0.9, show_default=True,
+                     help="Commit every masked position more confident than this (threshold policy)."),
+        click.option("--confidence", type=click.Choice(["prob", "margin", "entropy"]), default="prob",
+                     show_default=True),
+        click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 is greedy."),
+        click.option("--top-k", type=int, default=0, show_default=True),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--seed", type=int, default=None, help="Seed for sampling."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option("--commit", type=click.Choice(["exact", "reuse"]), default="exact", show_default=True,
+                     help="How a finished block enters the cache: clean re-forward, or reuse its last step."),
+    ]
+    for opt in reversed(options):
+        f = opt(f)
+    return f
+
+
+def load_options(f):
+    """Where and how the engine is loaded: shared by run and chat."""
+    options = [
+        click.option("--device", default="auto", show_default=True),
+        click.option("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)."),
+        click.option("--context", type=click.IntRange(min=1), default=None,
+                     help="Positions (prompt + replies) the engine holds [default: with the CUDA-graph step (GPU, "
+                          "INT4 experts) as many as fit, at most 32K; otherwise the model's limit]."),
+    ]
+    for opt in reversed(options):
+        f = opt(f)
+    return f
+
+
+def model_argument(positional: str | None, option: str | None) -> str | None:
+    """The model directory given as MODEL or with --model (not both), or None for the bundled model."""
+    if positional and option:
+        raise click.UsageError(f"the model is given twice ('{positional}' and --model '{option}'): give it once")
+    return positional or option

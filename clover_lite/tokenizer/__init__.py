@@ -1,0 +1,1 @@
+"""Tokenizers: the Hugging Face and SentencePiece backends, the bundled byte tokenizer, chat templates."""

@@ -1,0 +1,1 @@
+"""The bundled model's trainer, its corpus and its tasks."""
