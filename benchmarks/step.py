@@ -31,7 +31,7 @@ from clover_lite.kernels import dispatch
 from clover_lite.models.attention import GatedAttention
 from clover_lite.models.gdn import GatedDeltaNet
 from clover_lite.models.moe import SparseMoE
-from clover_lite.planning import planner
+from clover_lite.planning import memory, named_configs, planner
 
 COMPONENTS = ("attention", "GDN", "MoE")
 PREFILL_CHUNK = planner.PREFILL_CHUNK
@@ -86,14 +86,14 @@ def sync(device):
 def weight_read_bytes(config, quant: str, block: int, context: int, dtype: str) -> int:
     """Bytes one step must read: weights (only the experts a block of `block` tokens touches), lm_head
     (for the masked rows), the KV cache at `context` and the GDN state."""
-    cats = planner.weight_bytes(config, planner.parse_quant(quant), dtype)
+    cats = memory.weight_bytes(config, memory.parse_quant(quant), dtype)
     per = {k: sum(v.values()) for k, v in cats.items()}
     E, k = config.num_experts, config.num_experts_per_tok
     touched = E * (1 - (1 - k / E) ** block) if E else 0
     experts = per.pop("routed experts", 0) * (touched / E if E else 0)
     per.pop("embeddings", None)  # a step reads only B rows of it
-    return int(sum(per.values()) + experts + planner.kv_bytes_per_token(config, dtype) * context
-               + planner.gdn_state_bytes(config, dtype))
+    return int(sum(per.values()) + experts + memory.kv_bytes_per_token(config, dtype) * context
+               + memory.gdn_state_bytes(config, dtype))
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -285,7 +285,7 @@ def main(argv=None) -> int:
     name = args.config or ("clover-35b-a3b" if gpu else "tiny")
     quant = args.quant or ("int4" if gpu else "fp32")
     contexts = args.contexts or ([1024, 8192, 32768] if gpu else [64, 256])
-    config = planner.named_config(name)
+    config = named_configs.named_config(name)
     block = args.block_size or config.block_size or 32
     dtype = torch.bfloat16 if gpu else torch.float32
     model = random_model(config, quant, device, dtype)
@@ -310,8 +310,8 @@ def main(argv=None) -> int:
         r = measure(model, cache, static, n, block, mask_id, args.reps, device, memory=args.memory)
         floor = weight_read_bytes(config, quant, block, n, "bf16" if gpu else "fp32") / bw
         r["weight_floor_ms"] = 1e3 * floor
-        r["prefill_workspace_estimate_bytes"] = planner.workspace_bytes(
-            config, planner.parse_quant(quant), "bf16" if gpu else "fp32", min(PREFILL_CHUNK, n), n, step=False,
+        r["prefill_workspace_estimate_bytes"] = memory.workspace_bytes(
+            config, memory.parse_quant(quant), "bf16" if gpu else "fp32", min(PREFILL_CHUNK, n), n, step=False,
             backend=getattr(model, "backend", "torch"))
         r["outside_weight_reads"] = max(0.0, 1 - floor / (r["step_ms"] / 1e3))
         g = r["graph_step_ms"]

@@ -1,6 +1,6 @@
 import os
 
-# Must be set before any @triton.jit function is defined (shared DESIGN.md section 5).
+# Must be set before any @triton.jit function is defined (docs/ARCHITECTURE.md section 5).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402

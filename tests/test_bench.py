@@ -52,8 +52,8 @@ def test_bench_tiny_int4(tmp_path):
 
 
 def test_bench_argument_errors_and_refusal(monkeypatch):
-    import clover_lite.planning.planner as planner
     from clover_lite.cli.main import main
+    from clover_lite.planning import devices
 
     runner = CliRunner()
     r = runner.invoke(main, ["bench", "--config", "tiny"])
@@ -61,7 +61,7 @@ def test_bench_argument_errors_and_refusal(monkeypatch):
     r = runner.invoke(main, ["bench"])
     assert r.exit_code == 1 and "either a model directory (MODEL or --model PATH) or --config NAME" in r.output
     # A model that does not fit is refused with the plan before anything is allocated.
-    monkeypatch.setattr(planner, "available_ram", lambda: 2 * 2**30)
+    monkeypatch.setattr(devices, "available_ram", lambda: 2 * 2**30)
     r = runner.invoke(main, ["bench", "--config", "clover-35b-a3b", "--random-weights", "--quant", "int4",
                              "--device", "cpu"])
     assert r.exit_code == 1 and "exceed the available RAM" in r.output and "on a GPU it fits" in r.output

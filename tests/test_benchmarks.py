@@ -278,10 +278,10 @@ def test_step_benchmark_through_the_kernels_and_the_static_step(tmp_path, monkey
     as a CUDA graph), here with the interpreter and the static step run eagerly, on the tiny config cut to one
     GDN and one attention layer (every forward runs each kernel in the interpreter: seconds a layer)."""
     from clover_lite.checkpoint.tiny import tiny_config
-    from clover_lite.planning import planner
+    from clover_lite.planning import named_configs
 
     two = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
-    monkeypatch.setitem(planner.NAMED_CONFIGS, "tiny", lambda: tiny_config(**two))
+    monkeypatch.setitem(named_configs.NAMED_CONFIGS, "tiny", lambda: tiny_config(**two))
     out = tmp_path / "step.json"
     monkeypatch.setenv("CLOVER_KERNELS", "triton")
     monkeypatch.setattr(sys, "argv", ["step.py", "--quant", "int4", "--contexts", "9", "--reps", "1",
@@ -419,7 +419,7 @@ def test_launch_count_of_a_step_has_no_elementwise_glue_in_the_layers():
     """benchmarks/launches.py: on the Triton path a step's GDN, attention and MoE layers issue torch operators
     only for their unquantized matmuls (GDN a/b, the router with the shared expert's gate); every other
     operation, the decoder's residual adds included, is inside a Triton kernel. Before the glue kernels the
-    tiny model's step issued 120 torch operators (benchmarks/RESULTS.md)."""
+    tiny model's step issued 120 torch operators (docs/journal/2026-12.md)."""
     script = runpy.run_path(str(BENCH / "launches.py"), run_name="bench")
     r = script["count_step"]()
     assert r["triton_launches"] > 0 and r["triton"]["_gdn_prep_kernel"] == 1

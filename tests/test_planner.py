@@ -11,17 +11,9 @@ import pytest
 import torch
 
 import clover_lite
-from clover_lite.planning.planner import (
-    CUDA_CONTEXT_BYTES,
-    GPU_RESERVE_BYTES,
-    KNOWN_GPUS,
-    MemoryPlanError,
-    meta_model,
-    model_bytes,
-    normalize_gpu_name,
-    parse_quant,
-    plan,
-)
+from clover_lite.planning.devices import CUDA_CONTEXT_BYTES, GPU_RESERVE_BYTES, KNOWN_GPUS, normalize_gpu_name
+from clover_lite.planning.memory import parse_quant
+from clover_lite.planning.planner import MemoryPlanError, meta_model, model_bytes, plan
 
 GiB = 1 << 30
 
@@ -176,9 +168,9 @@ def test_known_cards_and_names():
 
 # ---- load refuses instead of running out of memory ----------------------------------------------
 def test_load_refuses_with_the_plan_on_cpu(tiny_dir, monkeypatch):
-    import clover_lite.planning.planner as planner
+    from clover_lite.planning import devices
 
-    monkeypatch.setattr(planner, "available_ram", lambda: 100_000)
+    monkeypatch.setattr(devices, "available_ram", lambda: 100_000)
     with pytest.raises(MemoryPlanError) as e:
         clover_lite.load(tiny_dir, device="cpu")
     assert "exceed the available RAM" in str(e.value) and "tiny" in str(e.value)
@@ -188,37 +180,38 @@ def test_load_refuses_with_the_plan_on_cpu(tiny_dir, monkeypatch):
 def test_load_check_on_cuda_uses_free_memory(tiny_dir, monkeypatch):
     import clover_lite.planning.planner as planner
     from clover_lite.models.config import load_config
+    from clover_lite.planning import devices
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     config = load_config(tiny_dir)
-    monkeypatch.setattr(planner, "cuda_free_memory", lambda dev: (10 * 2**20, 24 * GiB))
+    monkeypatch.setattr(devices, "cuda_free_memory", lambda dev: (10 * 2**20, 24 * GiB))
     with pytest.raises(MemoryPlanError, match="run out of GPU memory") as e:
         planner.check_load(tiny_dir, config, torch.device("cuda"), torch.bfloat16)
     assert "cuda (free now, less 512.0 MiB headroom)" in str(e.value)
-    monkeypatch.setattr(planner, "cuda_free_memory", lambda dev: (20 * GiB, 24 * GiB))
+    monkeypatch.setattr(devices, "cuda_free_memory", lambda dev: (20 * GiB, 24 * GiB))
     p = planner.check_load(tiny_dir, config, torch.device("cuda"), torch.bfloat16)
-    assert p.fits() and p.target.capacity == 20 * GiB - planner.CUDA_FREE_HEADROOM_BYTES
+    assert p.fits() and p.target.capacity == 20 * GiB - devices.CUDA_FREE_HEADROOM_BYTES
     # A context the caller fixed is the one checked (the engine's cache is allocated at it).
     assert planner.check_load(tiny_dir, config, torch.device("cuda"), torch.bfloat16, 8000).context_len == 8000
     # A model that needs all the free memory but the headroom is refused.
-    free = p.total + planner.CUDA_FREE_HEADROOM_BYTES // 2
-    monkeypatch.setattr(planner, "cuda_free_memory", lambda dev: (free, 24 * GiB))
+    free = p.total + devices.CUDA_FREE_HEADROOM_BYTES // 2
+    monkeypatch.setattr(devices, "cuda_free_memory", lambda dev: (free, 24 * GiB))
     with pytest.raises(MemoryPlanError, match="run out of GPU memory"):
         planner.check_load(tiny_dir, config, torch.device("cuda"), torch.bfloat16)
-    monkeypatch.setattr(planner, "cuda_free_memory", lambda dev: (free + GiB, 24 * GiB))
+    monkeypatch.setattr(devices, "cuda_free_memory", lambda dev: (free + GiB, 24 * GiB))
     assert planner.check_load(tiny_dir, config, torch.device("cuda"), torch.bfloat16).fits()
 
 
 def test_cuda_free_memory_counts_the_allocators_unused_blocks(monkeypatch):
     """Memory PyTorch's allocator reserved but no tensor uses is this process's to use (a second model in
     one process), though the driver does not report it free."""
-    import clover_lite.planning.planner as planner
+    from clover_lite.planning import devices
 
     dev = torch.device("cuda", 1)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (3 * GiB, 24 * GiB) if d == dev else None)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 5 * GiB if d == dev else None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 4 * GiB if d == dev else None)
-    assert planner.cuda_free_memory(dev) == (4 * GiB, 24 * GiB)
+    assert devices.cuda_free_memory(dev) == (4 * GiB, 24 * GiB)
 
 
 # ---- clover info ----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Memory errors of interpreted Triton kernels, caught on the CPU: out-of-bounds accesses and races.
 
 The interpreter reads any host address it is given and runs a launch's programs one after another, so
-three kinds of bug pass unseen there and fail on a GPU (shared DESIGN.md section 5):
+three kinds of bug pass unseen there and fail on a GPU (docs/ARCHITECTURE.md section 5):
 - an access past a tensor's end: garbage or an illegal-address crash on a GPU. Every address a kernel
   touches under its mask must lie inside the memory span of one tensor passed to that launch (a view's
   span: from its first to its last element, by its strides).

@@ -18,16 +18,10 @@ import torch
 
 from clover_lite.checkpoint.random_weights import ProgressFn, init_random_
 from clover_lite.errors import CloverError
-from clover_lite.planning.planner import (
-    NAMED_CONFIGS,
-    MemoryPlan,
-    MemoryPlanError,
-    fmt_bytes,
-    meta_model,
-    named_config,
-    parse_quant,
-    plan,
-)
+from clover_lite.planning.devices import fmt_bytes
+from clover_lite.planning.memory import parse_quant
+from clover_lite.planning.named_configs import NAMED_CONFIGS, named_config
+from clover_lite.planning.planner import MemoryPlan, MemoryPlanError, meta_model, plan
 from clover_lite.runtime.engine import Engine, on_device
 from clover_lite.runtime.generation import DoneEvent, StepEvent
 

@@ -173,11 +173,11 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
     from clover_lite.checkpoint.load import checkpoint_files, read_header, read_quant_config
     from clover_lite.models.config import load_config
     from clover_lite.models.denoiser import Denoiser
-    from clover_lite.planning import planner
+    from clover_lite.planning import devices, memory, named_configs, planner
 
-    named = not Path(path).exists() and path in planner.NAMED_CONFIGS
+    named = not Path(path).exists() and path in named_configs.NAMED_CONFIGS
     try:
-        config = planner.named_config(path) if named else load_config(path)
+        config = named_configs.named_config(path) if named else load_config(path)
         with torch.device("meta"):
             model = Denoiser(config)
         total, active = model.num_parameters()
@@ -188,13 +188,13 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
             dtypes = sorted({i.dtype for f in files for i in read_header(f).values()})
             size = sum(f.stat().st_size for f in files)
             ckpt_quant = read_quant_config(Path(path))
-        schemes = [planner.parse_quant(q) for q in quants] or [planner.parse_quant(ckpt_quant)]
+        schemes = [memory.parse_quant(q) for q in quants] or [memory.parse_quant(ckpt_quant)]
         if quantize_lm_head:
             schemes = [s.replace(lm_head=True) if s.quantized else s for s in schemes]
-        cards = [planner.normalize_gpu_name(g) or g for g in gpus]
-        unknown = [g for g in cards if g not in planner.KNOWN_GPUS]
+        cards = [devices.normalize_gpu_name(g) or g for g in gpus]
+        unknown = [g for g in cards if g not in devices.KNOWN_GPUS]
         if unknown:
-            raise CloverError(f"unknown GPU '{unknown[0]}'; known: {', '.join(planner.KNOWN_GPUS)}")
+            raise CloverError(f"unknown GPU '{unknown[0]}'; known: {', '.join(devices.KNOWN_GPUS)}")
         plans = [planner.plan(config, s, context, None, block_size=block_size, _name=Path(path).name)
                  for s in schemes]
     except CloverError as e:
@@ -204,10 +204,10 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
         for p in plans:
             d = p.to_dict()
             d["cards"] = {}
-            for k in cards or planner.KNOWN_GPUS:
+            for k in cards or devices.KNOWN_GPUS:
                 q = planner.plan(config, p.scheme, context, k, block_size=block_size)
-                d["cards"][k] = {"usable_bytes": planner.KNOWN_GPUS[k].usable, "fits": q.fits(),
-                                 "max_context": q.max_context(planner.KNOWN_GPUS[k].usable),
+                d["cards"][k] = {"usable_bytes": devices.KNOWN_GPUS[k].usable, "fits": q.fits(),
+                                 "max_context": q.max_context(devices.KNOWN_GPUS[k].usable),
                                  "suggestions": q.suggestions()}
             out.append(d)
         click.echo(json.dumps(out if len(out) > 1 else out[0], indent=2))
@@ -248,11 +248,11 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
     if context > c.max_position_embeddings:
         console.print(f"note: --context {context} is longer than the model's {c.max_position_embeddings}",
                       style="yellow", markup=False)
-    console.print("activation workspace:\n" + planner.WORKSPACE_FORMULA, style="dim", markup=False, highlight=False)
+    console.print("activation workspace:\n" + memory.WORKSPACE_FORMULA, style="dim", markup=False, highlight=False)
     for key in cards:
         for p in plans:
             q = planner.plan(config, p.scheme, context, key, block_size=block_size, _name=p.model)
-            console.print(f"{planner.KNOWN_GPUS[key].name}, {p.scheme.label()}: {q.verdict()}", markup=False,
+            console.print(f"{devices.KNOWN_GPUS[key].name}, {p.scheme.label()}: {q.verdict()}", markup=False,
                           highlight=False, style="green" if q.fits() else "red")
             for s in q.suggestions():
                 console.print(f"  - {s}", markup=False, highlight=False)
@@ -263,7 +263,7 @@ def _plan_table(plans):
     INT4 one's breakdown of qweight / scales / qzeros / g_idx)."""
     from rich.table import Table
 
-    from clover_lite.planning.planner import fmt_bytes
+    from clover_lite.planning.devices import fmt_bytes
 
     p0, last = plans[0], plans[-1]
     title = f"memory plan at {p0.context_len} tokens of context, block {p0.block_size}, activations {p0.dtype}"
@@ -287,15 +287,15 @@ def _plan_table(plans):
 def _cards_table(plans, cards, context, block_size):
     from rich.table import Table
 
-    from clover_lite.planning import planner
+    from clover_lite.planning import devices, planner
 
     table = Table(title="known cards (usable = capacity - reserve; the total includes the CUDA context)")
     table.add_column("card")
     table.add_column("usable", justify="right")
     for p in plans:
         table.add_column(p.scheme.label(), justify="center")
-    for key in cards or planner.KNOWN_GPUS:
-        g = planner.KNOWN_GPUS[key]
+    for key in cards or devices.KNOWN_GPUS:
+        g = devices.KNOWN_GPUS[key]
         cells = []
         for p in plans:
             q = planner.plan(p.config, p.scheme, context, key, block_size=block_size)
@@ -306,7 +306,7 @@ def _cards_table(plans, cards, context, block_size):
                 cells.append(f"[red]no[/] (up to {n} tokens)")
             else:
                 cells.append("[red]no[/] (weights too large)")
-        table.add_row(g.name, planner.fmt_bytes(g.usable), *cells)
+        table.add_row(g.name, devices.fmt_bytes(g.usable), *cells)
     return table
 
 

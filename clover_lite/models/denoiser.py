@@ -1,6 +1,6 @@
 """The block-diffusion denoiser: a config-driven hybrid GDN / gated-attention MoE transformer.
 
-Two ways to run it, which agree (shared DESIGN.md section 2):
+Two ways to run it, which agree (docs/ARCHITECTURE.md section 2):
 - reference: `model(input_ids, block_size=B)` -> logits of the whole sequence under the block-causal
   mask (bidirectional inside a block of the fixed grid from position 0, causal across blocks; GDN
   causal throughout), no cache;

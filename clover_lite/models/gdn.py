@@ -1,6 +1,6 @@
 """Gated DeltaNet layer (Qwen3.5 / Qwen3-Next linear attention) and its PyTorch math.
 
-Per value head, with state S [K, V] in fp32 (shared DESIGN.md section 1):
+Per value head, with state S [K, V] in fp32 (docs/ARCHITECTURE.md section 1):
     S <- S * exp(g_t);  d_t = beta_t * (v_t - S^T k_t);  S <- S + k_t d_t^T;  o_t = S^T q_t
 q and k are L2-normalised and q is scaled by K^-0.5; each qk head serves HV/HK consecutive v heads.
 The layer runs causally from a given (recurrent, conv tail) state and returns the state after its

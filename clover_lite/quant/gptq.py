@@ -1,7 +1,7 @@
 """GPTQ (Frantar et al. 2022): quantize a linear column by column, pushing each column's rounding error
 onto the not-yet-quantized columns through the inverse Hessian of the layer's inputs.
 
-Follows the published algorithm (shared DESIGN.md section 3): H = 2 X X^T / n, dead inputs zeroed,
+Follows the published algorithm (docs/ARCHITECTURE.md section 3): H = 2 X X^T / n, dead inputs zeroed,
 damping of damp_percent * mean(diag H), upper Cholesky factor of H^-1, lazy batches of 128 columns,
 optional act-order (columns by decreasing diag H) with static groups (group parameters fixed from the
 unpermuted weight, so g_idx stays k // group_size and inference is unchanged).

@@ -1,4 +1,4 @@
-"""GPTQ INT4 packing (shared DESIGN.md section 3).
+"""GPTQ INT4 packing (docs/ARCHITECTURE.md section 3).
 
 For a linear y = x W^T with W [N out, K in], GPTQ stores the transposed integer weights q [K, N]:
   qweight int32 [K/8, N]   nibble j (bits 4j..4j+3) of word [i, n] is q[8i + j, n]

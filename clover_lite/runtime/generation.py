@@ -1,6 +1,6 @@
 """Block-diffusion decoding: GenerationConfig, the runners that score a block, and the decoding loop.
 
-The loop follows SDAR's published algorithm on a fixed block grid from position 0 (shared DESIGN.md
+The loop follows SDAR's published algorithm on a fixed block grid from position 0 (docs/ARCHITECTURE.md
 section 2): prefill commits the prompt's whole blocks; each block starts as masks (the first one may
 hold the prompt's tail); every step scores the masked positions, commits some of them by the policy;
 a finished block is committed to the cache and the next one starts.

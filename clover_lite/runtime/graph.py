@@ -1,7 +1,7 @@
 """The denoising step with static shapes, captured once as a CUDA graph and replayed every step.
 
 At batch 1 a step is hundreds of small kernel launches (~40 layers x ~10 kernels); replaying a captured
-graph removes their launch cost (shared DESIGN.md section 4). Capturing needs a forward that never waits
+graph removes their launch cost (docs/ARCHITECTURE.md section 4). Capturing needs a forward that never waits
 for the device and never changes shape: the block's token ids and the committed length live in device
 buffers, attention reads the cache's whole buffers with the length read by the kernel, GDN layers read
 the committed state in place, MoE layers take their no-padding GEMV path (fixed (token, expert) pairs),

@@ -86,7 +86,7 @@ def _rules(rng: random.Random) -> tuple[str, str]:
     yes"). So every step is a copy of what followed the same words in the prompt, and the yes/no follows
     the word before it. Two formats before this one, forward derivations and backward chains over "if A
     then B" rules, stayed at chance; this one took the bundled model to 73% with the `recall` drill and to
-    100% once the `cite` drill taught it which rule's premise to copy (benchmarks/RESULTS.md). Only the
+    100% once the `cite` drill taught it which rule's premise to copy (docs/journal/2026-12.md). Only the
     last word is scored (`is_correct`)."""
     props = rng.sample(PROPS, 6)  # drawn before the names (the order fixes the held-out set)
     atoms = list(zip(rng.sample(NAMES, 6), props, strict=True))
