@@ -170,7 +170,8 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
     from rich.console import Console
     from rich.table import Table
 
-    from clover_lite.checkpoint.load import checkpoint_files, read_header, read_quant_config
+    from clover_lite.checkpoint.files import checkpoint_files, read_header
+    from clover_lite.checkpoint.load import read_quant_config
     from clover_lite.models.config import load_config
     from clover_lite.models.denoiser import Denoiser
     from clover_lite.planning import devices, memory, named_configs, planner

@@ -316,7 +316,8 @@ def meta_model(config: ModelConfig | str, quant: str | dict | QuantScheme | None
     allocated): quantized modules swapped in through the loader's own `install_quantized_modules`, from a
     synthetic list of the tensors a GPTQ / NF4 checkpoint of this model holds. For `clover bench` (random
     weights) and for checking the planner."""
-    from clover_lite.checkpoint.load import TensorInfo, install_quantized_modules
+    from clover_lite.checkpoint.files import TensorInfo
+    from clover_lite.checkpoint.load import install_quantized_modules
     from clover_lite.models.denoiser import Denoiser
     from clover_lite.models.moe import SparseMoE
     from clover_lite.quant.pipeline import layer_targets

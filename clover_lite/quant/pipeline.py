@@ -27,14 +27,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from clover_lite.checkpoint.load import (
-    Checkpoint,
-    build_model,
-    canonical_name,
-    copy_tensors,
-    plan_checkpoint,
-    read_header,
-)
+from clover_lite.checkpoint.files import read_header
+from clover_lite.checkpoint.load import Checkpoint, build_model, copy_tensors, plan_checkpoint
+from clover_lite.checkpoint.names import canonical_name
 from clover_lite.checkpoint.save import checkpoint_tensors, publish_directory
 from clover_lite.errors import CloverError
 from clover_lite.models.config import ModelConfig, load_config
