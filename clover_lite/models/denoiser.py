@@ -10,6 +10,8 @@ Two ways to run it, which agree (docs/ARCHITECTURE.md section 2):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -125,19 +127,42 @@ class Denoiser(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(torch.arange(start, start + L, device=device))
         mask = block_causal_mask(start, L, block_size, device)
-        updates: list[LayerUpdate] = []
+        attn = [layer.kind == "full_attention" for layer in self.layers]
+        past = [cache.kv(i) if cache is not None and a else None for i, a in enumerate(attn)]
+        states = [None if a else cache.gdn_state(i) if cache is not None else self.zero_gdn_state(b, x)
+                  for i, a in enumerate(attn)]
+        return self.run_layers(x, cos, sin, mask, past, states, need_states, skip_last_mlp)
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        past: list,
+        states: list,
+        need_states: bool = True,
+        skip_last_mlp: bool = False,
+        past_len: torch.Tensor | None = None,
+        num_splits: int | None = None,
+        write: Callable[[int, LayerUpdate], None] | None = None,
+    ) -> tuple[torch.Tensor, list[LayerUpdate | None]]:
+        """The decoder stack over hidden states x: layer i reads past[i] (its committed keys and values, for
+        attention layers) or states[i] (its GDN state). skip_last_mlp: committing needs only the states, and
+        the last layer's MLP feeds nothing but the logits. past_len / num_splits: the static step's
+        device-side cache length (GatedAttention.forward). `write(i, update)`, if given, takes each layer's
+        update as soon as it exists (the static commit writes it into the cache there: each layer reads only
+        its own entries, and before the write)."""
+        updates: list[LayerUpdate | None] = []
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            past_kv = cache.kv(i) if cache is not None and layer.kind == "full_attention" else None
-            if layer.kind == "linear_attention":
-                gdn_state = cache.gdn_state(i) if cache is not None else self.zero_gdn_state(b, x)
-            else:
-                gdn_state = None
+            args = (x, cos, sin, mask, past[i], states[i], need_states, past_len, num_splits)
             if skip_last_mlp and i == last:
-                # Committing needs only the states; the last layer's MLP feeds nothing but the logits.
-                _, update = layer.mix(x, cos, sin, mask, past_kv, gdn_state, need_states)
+                _, update = layer.mix(*args)
             else:
-                x, update = layer(x, cos, sin, mask, past_kv, gdn_state, need_states)
+                x, update = layer(*args)
+            if write is not None:
+                write(i, update)
             updates.append(update)
         return x, updates
 

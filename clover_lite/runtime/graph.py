@@ -9,7 +9,8 @@ and the logits of every block position are produced (the caller keeps the masked
 commit is captured too, as a second graph: the same forward with the GDN states computed, its keys and
 values written at the device-side length (index_copy_) and the states copied into the cache; it cost an
 eager forward per block, ~5 graph steps at Clover on an H200 (benchmarks/RESULTS.md). The same `forward`
-runs eagerly where there is no CUDA (tests check it against the reference step and commit); prefill and a
+runs eagerly where there is no CUDA (tests check it against the reference step and commit); it is the model's own
+layer loop (Denoiser.run_layers) with the cache's whole buffers and a device-side length. Prefill and a
 final partial block commit eagerly. Needs the Triton backend (the reference MoE and attention are not
 capture-safe).
 """
@@ -79,18 +80,12 @@ class StaticStep:
             x = m.embed_tokens(self.ids)
             positions = self.length.long() + self.offsets
             cos, sin = m.rotary(positions)
-            last = len(m.layers) - 1
-            for i, layer in enumerate(m.layers):
-                attn = layer.kind == "full_attention"
-                args = (x, cos, sin, None, (cache.keys[i], cache.values[i]) if attn else None,
-                        None if attn else cache.gdn_state(i))
-                kw = dict(need_state=commit, past_len=self.length if attn else None, num_splits=self.num_splits)
-                if commit and i == last:  # the last MLP feeds only the logits
-                    _, update = layer.mix(*args, **kw)
-                else:
-                    x, update = layer(*args, **kw)
-                if commit:  # each layer reads only its own cache entries, and before this write
-                    cache.write(i, update, positions)
+            attn = [layer.kind == "full_attention" for layer in m.layers]
+            past = [(cache.keys[i], cache.values[i]) if a else None for i, a in enumerate(attn)]
+            states = [None if a else cache.gdn_state(i) for i, a in enumerate(attn)]
+            write = (lambda i, update: cache.write(i, update, positions)) if commit else None
+            x, _ = m.run_layers(x, cos, sin, None, past, states, need_states=commit, skip_last_mlp=commit,
+                                past_len=self.length, num_splits=self.num_splits, write=write)
             return None if commit else m.logits(x)
         finally:
             for e in self.experts:
