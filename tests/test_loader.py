@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import shutil
 import struct
 
@@ -133,6 +134,83 @@ def test_corrupt_header(ckpt):
     f.write_bytes(struct.pack("<Q", 10) + b"{not json!" + b"\0" * 64)
     with pytest.raises(CheckpointError, match="corrupt"):
         _load(ckpt)
+
+
+def _with_header(f, header: dict, data: bytes) -> None:
+    raw = json.dumps(header).encode()
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+@pytest.mark.parametrize("entry, why", [
+    ({"dtype": "F32", "data_offsets": [0, 16]}, "shape None"),  # missing key: was KeyError 'shape'
+    ({"dtype": "F32", "shape": "4", "data_offsets": [0, 16]}, "shape '4'"),
+    ({"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}, "shape"),
+    ({"dtype": 7, "shape": [4], "data_offsets": [0, 16]}, "dtype 7"),
+    ({"dtype": "F32", "shape": [4], "data_offsets": [16, 0]}, "data_offsets"),
+    ({"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}, "needs 16"),
+    ({"dtype": "F32", "shape": [4], "data_offsets": [0.5, 16]}, "data_offsets"),
+    ([1, 2], "JSON object"),
+])
+def test_malformed_header_entries_name_the_file_and_tensor(tmp_path, entry, why):
+    from clover_lite.checkpoint.files import read_header
+
+    f = tmp_path / "model.safetensors"
+    _with_header(f, {"w": entry}, b"\0" * 32)
+    with pytest.raises(CheckpointError, match="corrupt safetensors header") as e:
+        read_header(f)
+    assert "model.safetensors" in str(e.value) and "'w'" in str(e.value) and why in str(e.value)
+
+
+def test_overlapping_tensors_and_a_non_object_header_are_refused(tmp_path):
+    from clover_lite.checkpoint.files import read_header
+
+    f = tmp_path / "model.safetensors"
+    entries = {"a": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]},
+               "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},  # inside a
+               "c": {"dtype": "F32", "shape": [4], "data_offsets": [32, 48]}}
+    _with_header(f, entries, b"\0" * 48)
+    with pytest.raises(CheckpointError, match="'a' and 'b' overlap"):
+        read_header(f)
+    _with_header(f, [1, 2, 3], b"")
+    with pytest.raises(CheckpointError, match="JSON object expected"):
+        read_header(f)
+    del entries["b"]  # the same header without the overlap reads, an unknown dtype included (read lazily)
+    entries["d"] = {"dtype": "F8_E4M3", "shape": [3], "data_offsets": [48, 48]}
+    _with_header(f, entries, b"\0" * 48)
+    assert set(read_header(f)) == {"a", "c", "d"}
+
+
+def test_mutated_headers_fail_with_our_error(ckpt):
+    """A bounded fuzz: random bytes of the real header changed, deleted or inserted; every outcome is a
+    header that reads or one CheckpointError, never another exception (a fresh seed each run, printed)."""
+    from clover_lite.checkpoint.files import read_header
+
+    f = ckpt / "model.safetensors"
+    data = f.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header, body = data[8 : 8 + n], data[8 + n :]
+    seed = int(os.environ.get("CLOVER_TEST_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    errors = 0
+    for _ in range(300):
+        h = bytearray(header)
+        for _ in range(rng.randint(1, 4)):
+            i = rng.randrange(len(h))
+            op = rng.random()
+            if op < 0.5:
+                h[i] = rng.choice(b'0123456789{}[]",:-.eE ' + bytes([rng.randrange(256)]))
+            elif op < 0.75:
+                del h[i]
+            else:
+                h.insert(i, rng.randrange(256))
+        f.write_bytes(struct.pack("<Q", len(h)) + bytes(h) + body)
+        try:
+            read_header(f)
+        except CheckpointError:
+            errors += 1
+        except Exception as e:  # noqa: BLE001
+            raise AssertionError(f"seed {seed}: {type(e).__name__}: {e} for header {bytes(h)[:200]!r}") from e
+    assert errors > 0, f"seed {seed}: no mutation was refused"
 
 
 def test_missing_weights_and_shards(ckpt, tmp_path):

@@ -48,23 +48,60 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
                     f"{size}-byte file); re-download it"
                 )
             header = json.loads(f.read(header_len))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # JSON nested past the stack too
         raise CheckpointError(f"{file}: corrupt safetensors header ({e}); re-download it") from e
     except OSError as e:
         raise CheckpointError(f"{file}: cannot be read ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: corrupt safetensors header (a JSON object expected); re-download it")
     data_len = size - 8 - header_len
     out = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        start, end = meta["data_offsets"]
-        if end > data_len:
-            raise CheckpointError(
-                f"{file}: truncated: tensor '{name}' ends at byte {end} of the data section but the file holds "
-                f"only {data_len}; re-download or re-save the checkpoint"
-            )
-        out[name] = TensorInfo(name, file, tuple(meta["shape"]), meta["dtype"], 8 + header_len + start, end - start)
+        out[name] = _tensor_info(file, name, meta, 8 + header_len, data_len)
+    spans = sorted((info.offset, info.offset + info.nbytes, name) for name, info in out.items() if info.nbytes)
+    reach, last = 0, None  # the furthest end so far, and whose
+    for start, end, name in spans:
+        if start < reach:
+            raise CheckpointError(f"{file}: corrupt safetensors header: tensors '{last}' and '{name}' overlap in "
+                                  "the data section; re-download it")
+        if end > reach:
+            reach, last = end, name
     return out
+
+
+def _tensor_info(file: Path, name: str, meta, data_start: int, data_len: int) -> TensorInfo:
+    """One header entry, checked as untrusted input: a dtype name, a shape of non-negative ints, offsets
+    inside the data section and, for the dtypes we read, exactly the shape's bytes (a tensor of another
+    dtype fails when it is read, so a skipped one, e.g. FP8 in a vision tower, does not stop a load)."""
+    def corrupt(why: str) -> CheckpointError:
+        return CheckpointError(f"{file}: corrupt safetensors header: tensor '{name}' {why}; re-download it")
+
+    if not isinstance(meta, dict):
+        raise corrupt("is not described by a JSON object")
+    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise corrupt(f"has dtype {dtype!r} (a name such as 'BF16' expected)")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise corrupt(f"has shape {shape!r} (a list of non-negative integers expected)")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise corrupt(f"has data_offsets {offsets!r} (two integers, start <= end, expected)")
+    start, end = offsets
+    if end > data_len:
+        raise CheckpointError(
+            f"{file}: truncated: tensor '{name}' ends at byte {end} of the data section but the file holds "
+            f"only {data_len}; re-download or re-save the checkpoint"
+        )
+    if dtype in SAFETENSORS_DTYPES:
+        numel = 1
+        for d in shape:
+            numel *= d
+        expected = numel * SAFETENSORS_DTYPES[dtype].itemsize
+        if end - start != expected:
+            raise corrupt(f"spans {end - start} bytes but shape {shape} of {dtype} needs {expected}")
+    return TensorInfo(name, file, tuple(shape), dtype, data_start + start, end - start)
 
 
 def read_tensor(handle, info: TensorInfo) -> torch.Tensor:
@@ -104,5 +141,3 @@ def checkpoint_files(path: Path) -> list[Path]:
         "clover-lite reads Hugging Face safetensors checkpoints"
     )
 
-
-# ---- name mapping ------------------------------------------------------------------------------
