@@ -86,6 +86,7 @@ def test_bench_times_the_step_the_engine_decodes_with(tiny_dir):
     import clover_lite
     from clover_lite.cli.bench import bench_context, run_bench
     from clover_lite.errors import CloverError
+    from clover_lite.runtime.graph import StaticStep
 
     eng = clover_lite.load(tiny_dir, device="cpu")
     eng._cache = eng.model.new_cache(capacity=bench_context(32, 12, 3, 4))
@@ -102,6 +103,8 @@ def test_bench_times_the_step_the_engine_decodes_with(tiny_dir):
         def commit(self, block_ids):  # graph.StaticStep.commit: a full block at a block boundary
             commits.append(eng._cache.length)
             eng.model.commit(torch.as_tensor(block_ids).view(1, -1), eng._cache, 4)
+
+        serves = StaticStep.serves  # the real rule: which generations run on the static step
 
     eng._static = SpyStep()
     report = run_bench(eng, 4, prompt_tokens=32, new_tokens=12, steps=3)

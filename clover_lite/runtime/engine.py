@@ -16,6 +16,7 @@ from clover_lite.kernels import dispatch
 from clover_lite.models.config import ModelConfig, load_config
 from clover_lite.models.denoiser import Denoiser
 from clover_lite.runtime.generation import CachedRunner, DoneEvent, Event, Generation, GenerationConfig, denoise
+from clover_lite.runtime.graph import MAX_STATIC_CONTEXT, StaticStep, use_static_step
 from clover_lite.tokenizer.incremental import IncrementalDecoder
 from clover_lite.tokenizer.tokenizer import Tokenizer
 
@@ -110,13 +111,9 @@ class Engine:
             raise CloverError(f"context must be at least 1 position, got {context}")
         self._context = context
         block = self.default_config.resolved(self.config.block_size).block_size
-        size = context or static_context or min(self.config.max_position_embeddings, 32768)
+        size = context or static_context or min(self.config.max_position_embeddings, MAX_STATIC_CONTEXT)
         if static_step is None:
-            static_step = False
-            if self.device.type == "cuda" and size >= block:  # graph.py needs Triton (CPU-only installs lack it)
-                from clover_lite.runtime.graph import StaticStep
-
-                static_step = StaticStep.supported(model, block) is None
+            static_step = size >= block and use_static_step(model, block, self.device)
         if static_step:
             if size < block:
                 raise CloverError(f"the static step needs a context of at least one block ({block} positions), "
@@ -124,8 +121,6 @@ class Engine:
             self._build_static(size)
 
     def _build_static(self, context: int) -> None:
-        from clover_lite.runtime.graph import StaticStep
-
         block = self.default_config.resolved(self.config.block_size).block_size
         self._cache = self.model.new_cache(capacity=context)
         self._static = StaticStep(self.model, self._cache, block)
@@ -279,7 +274,7 @@ def load(
         if context is None and p is not None and dev.type == "cuda":
             # A static step's cache (and its CUDA graph) is sized once: as long as fits (at least the checked
             # context, since the check passed), up to 32K by default. An eager engine's cache grows instead.
-            fits = min(config.max_position_embeddings, 32768, p.max_context(p.target.capacity))
+            fits = min(config.max_position_embeddings, MAX_STATIC_CONTEXT, p.max_context(p.target.capacity))
     model, report = load_model(model_path, config, dev, dt, progress, kernels=kernels)
     tokenizer = None
     if any((model_path / f).exists() for f in ("tokenizer.json", "tokenizer.model")):

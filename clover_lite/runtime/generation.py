@@ -177,8 +177,7 @@ class CachedRunner:
         self.persistent = cache is not None
         self.cache = cache if cache is not None else model.new_cache()
         self.cache.reset()
-        use_static = static_step is not None and static_step.block_size == block_size and commit == "exact"
-        self.static = static_step if use_static else None
+        self.static = static_step if static_step is not None and static_step.serves(block_size, commit) else None
         self._last_updates = None
 
     def reserve(self, total: int) -> None:

@@ -27,6 +27,15 @@ from clover_lite.models.moe import SparseMoE
 from clover_lite.models.quantized import QuantExperts, QuantLinear
 from clover_lite.runtime.cache import DenoiseCache
 
+# The default capacity of a static step's cache (and so of its graphs) when the engine is given none and
+# free memory allows more: a longer cache costs every step's attention splits nothing, but memory.
+MAX_STATIC_CONTEXT = 32768
+
+
+def use_static_step(model: Denoiser, block_size: int, device: torch.device) -> bool:
+    """The engine's default: a static step on CUDA wherever the model's step can be captured."""
+    return device.type == "cuda" and StaticStep.supported(model, block_size) is None
+
 
 class StaticStep:
     @staticmethod
@@ -111,6 +120,11 @@ class StaticStep:
             with torch.cuda.graph(self.commit_graph, stream=stream):
                 self.forward(commit=True)
         self.cache.reset()
+
+    def serves(self, block_size: int, commit: str) -> bool:
+        """Whether a generation with these settings runs on this step (its full blocks do): the captured commit
+        is the exact one, and the graphs are of this block size."""
+        return block_size == self.block_size and commit == "exact"
 
     def _load(self, block_ids: Sequence[int] | torch.Tensor) -> None:
         self.ids.copy_(torch.as_tensor(block_ids, dtype=torch.long).view(1, -1))  # one host-to-device copy
