@@ -194,6 +194,48 @@ def test_bad_generation_settings_are_clear_errors(bad, word):
         GenerationConfig(**bad).resolved(4)
 
 
+@pytest.mark.parametrize("confidence, lo, hi", [("prob", 0, 1), ("margin", -1, 1), ("entropy", 0, 1)])
+def test_threshold_is_checked_against_its_confidence_range(confidence, lo, hi):
+    """Every value confidence_of can give for random distributions lies in the range; thresholds outside it
+    (which commit nothing or everything) are refused, naming the range; its ends are accepted."""
+    from clover_lite.runtime.sampling import confidence_of
+
+    probs = torch.softmax(torch.randn(64, 9) * 4, -1)
+    picks = torch.randint(0, 9, (64,))  # sampled choices: not always the top one (margin goes negative)
+    c = confidence_of(probs, picks, confidence)
+    assert bool((c >= lo - 1e-6).all() and (c <= hi + 1e-6).all())
+    for ok in (lo, hi, (lo + hi) / 2):
+        GenerationConfig(threshold=ok, confidence=confidence).resolved(4)
+    for bad in (lo - 0.5, hi + 1, float("nan"), float("inf")):
+        with pytest.raises(GenerationError, match=rf"threshold must be in \[{lo:g}, {hi:g}\].*{confidence}"):
+            GenerationConfig(threshold=bad, confidence=confidence).resolved(4)
+
+
+def test_steps_per_block_error_shows_the_resolved_block_size():
+    with pytest.raises(GenerationError, match=r"steps_per_block must be >= 1, got 0") as e:
+        GenerationConfig(steps_per_block=0).resolved(4)
+    assert "None" not in str(e.value)
+    with pytest.raises(GenerationError, match=r"at most block_size \(4\), got 5"):
+        GenerationConfig(steps_per_block=5).resolved(4)  # the model's block size, resolved
+
+
+def test_block_size_against_the_context_and_the_trained_block():
+    with pytest.raises(GenerationError, match="block_size 100000 exceeds the model's context of 2048"):
+        GenerationConfig(block_size=100000).resolved(4, max_length=2048)
+    with pytest.warns(UserWarning, match="trained with \\(4\\)"):
+        GenerationConfig(block_size=64).resolved(4, max_length=2048)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GenerationConfig(block_size=16).resolved(4, max_length=2048)  # 4x: no warning
+
+
+def test_engine_checks_block_size_against_its_model(tiny_engine):
+    with pytest.raises(GenerationError, match="exceeds the model's context"):
+        tiny_engine.generate("hi", block_size=tiny_engine.config.max_position_embeddings + 1, max_new_tokens=2)
+
+
 def test_unknown_setting_is_named():
     with pytest.raises(GenerationError, match="blocksize"):
         GenerationConfig().replace(blocksize=3)

@@ -182,7 +182,7 @@ class Engine:
         cfg = config or self.default_config
         if overrides:
             cfg = cfg.replace(**overrides)
-        return cfg.resolved(self.config.block_size)
+        return cfg.resolved(self.config.block_size, self.config.max_position_embeddings)
 
     def stream(self, prompt: Prompt, config: GenerationConfig | None = None, **overrides) -> Iterator[Event]:
         """Yield a StepEvent per denoising step, a BlockEvent per finished block, then a DoneEvent."""

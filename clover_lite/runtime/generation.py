@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 
@@ -17,10 +18,11 @@ import torch
 
 from clover_lite.errors import GenerationError
 from clover_lite.models.denoiser import Denoiser
-from clover_lite.runtime.sampling import CONFIDENCES, choose
+from clover_lite.runtime.sampling import CONFIDENCE_RANGES, CONFIDENCES, choose
 from clover_lite.tokenizer.incremental import IncrementalDecoder
 
 POLICIES = ("threshold", "fixed")
+LARGE_BLOCK_FACTOR = 4  # a block this many times the trained one warns
 COMMIT_MODES = ("exact", "reuse")
 
 
@@ -56,13 +58,21 @@ class GenerationConfig:
                 overrides[key] = tuple(overrides[key])
         return replace(self, **overrides)
 
-    def resolved(self, model_block_size: int | None) -> GenerationConfig:
-        """Fill the defaults that depend on the model and check every setting."""
+    def resolved(self, model_block_size: int | None, max_length: int | None = None) -> GenerationConfig:
+        """Fill the defaults that depend on the model and check every setting, the block size against the
+        model's context (`max_length`) and trained block size: one far larger warns (UserWarning)."""
         self.validate()  # explicit values first, so block_size=0 is an error and not "use the default"
         block = self.block_size if self.block_size is not None else (model_block_size or 4)
         steps = self.steps_per_block if self.steps_per_block is not None else block
         cfg = replace(self, block_size=block, steps_per_block=steps)
         cfg.validate()
+        if max_length is not None and block > max_length:
+            raise GenerationError(f"block_size {block} exceeds the model's context of {max_length} positions; "
+                                  f"use the model's block size ({model_block_size or 4}) or less than {max_length}")
+        if model_block_size and block > LARGE_BLOCK_FACTOR * model_block_size:
+            warnings.warn(f"block_size {block} is over {LARGE_BLOCK_FACTOR}x the block size the model was trained "
+                          f"with ({model_block_size}): it then predicts many positions with little context, and "
+                          "answers degrade or repeat", UserWarning, stacklevel=3)
         return cfg
 
     def validate(self) -> None:
@@ -73,10 +83,10 @@ class GenerationConfig:
             raise bad(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.block_size is not None and self.block_size < 1:
             raise bad(f"block_size must be >= 1, got {self.block_size}")
-        if self.steps_per_block is not None and not 1 <= self.steps_per_block <= (self.block_size or 1 << 30):
-            raise bad(
-                f"steps_per_block must be between 1 and block_size ({self.block_size}), got {self.steps_per_block}"
-            )
+        if self.steps_per_block is not None and self.steps_per_block < 1:
+            raise bad(f"steps_per_block must be >= 1, got {self.steps_per_block}")
+        if self.steps_per_block is not None and self.block_size is not None and self.steps_per_block > self.block_size:
+            raise bad(f"steps_per_block must be at most block_size ({self.block_size}), got {self.steps_per_block}")
         if self.policy not in POLICIES:
             raise bad(f"policy must be one of {POLICIES}, got '{self.policy}'")
         if self.confidence not in CONFIDENCES:
@@ -89,8 +99,11 @@ class GenerationConfig:
             raise bad(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not math.isfinite(self.threshold):
-            raise bad(f"threshold must be a finite number, got {self.threshold}")
+        if self.confidence in CONFIDENCE_RANGES:
+            lo, hi = CONFIDENCE_RANGES[self.confidence]
+            if not (math.isfinite(self.threshold) and lo <= self.threshold <= hi):
+                raise bad(f"threshold must be in [{lo:g}, {hi:g}] for confidence '{self.confidence}', "
+                          f"got {self.threshold}")
         if any(not s for s in self.stop):
             raise bad("stop strings must be non-empty")
 

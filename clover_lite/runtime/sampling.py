@@ -8,6 +8,9 @@ from __future__ import annotations
 import torch
 
 CONFIDENCES = ("prob", "margin", "entropy")
+# What each confidence can be (confidence_of): a probability; top choice minus the runner-up, negative when
+# sampling picks a lower one; exp(-entropy). A threshold outside its range commits nothing or everything.
+CONFIDENCE_RANGES = {"prob": (0.0, 1.0), "margin": (-1.0, 1.0), "entropy": (0.0, 1.0)}
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
