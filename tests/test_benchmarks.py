@@ -189,12 +189,14 @@ def test_gpu_session_script_runs_its_check(tmp_path):
     reach gpu_check.py intact (a session's device time is lost to a usage error) and the log lands in $OUT."""
     env = {**os.environ, "OUT": str(tmp_path), "TRITON_INTERPRET": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    r = subprocess.run(["bash", str(BENCH / "gpu_session.sh"), "--smoke", "--no-bench", "--checks", "sampling"],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    log = (tmp_path / "gpu_check.log").read_text()
-    assert "ok  masked-position sampling" in log and "error" not in log.lower()
-    assert "torch" in (tmp_path / "machine.txt").read_text()
+    for mode, switch in (("verified", "0"), ("unverified", "1")):  # both kernel configurations, a folder each
+        r = subprocess.run(["bash", str(BENCH / "gpu_session.sh"), mode, "--smoke", "--no-bench", "--checks",
+                            "sampling"], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        log = (tmp_path / mode / "gpu_check.log").read_text()
+        assert "ok  masked-position sampling" in log and "error" not in log.lower()
+        machine = (tmp_path / mode / "machine.txt").read_text()
+        assert "torch" in machine and f"kernels: {mode} (CLOVER_KERNELS_UNVERIFIED={switch})" in machine
 
 
 def test_sweep_scores_every_candidate_against_the_tables_entry(tmp_path):

@@ -111,9 +111,10 @@ def test_fused_moe_takes_the_mma_order(monkeypatch, order, path):
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_quant_linear_prepare_repacks_eligible_weights():
+def test_quant_linear_prepare_repacks_eligible_weights(monkeypatch):
     """Installing the kernels rearranges eligible weights in place (once), the reference reads them back, the kernel
     path takes them; act-order weights repacked by group first; ineligible ones (groups of 64) stay GPTQ."""
+    monkeypatch.setenv("CLOVER_KERNELS_UNVERIFIED", "1")  # the MMA order is not yet verified on a GPU
     g_idx = torch.arange(256) % 2  # act-order: the two groups of 128 rows interleaved
     cases = [(random_int4(256, 40, 128), True), (random_int4(256, 40, 128, act_order=True,
                                                               g_idx=g_idx[None].int()), True),
@@ -144,3 +145,28 @@ def test_mma_swap_rule():
     assert not configs.mma_swap(large, "sm_90", 0) and not configs.mma_swap(large, None, 4)
     assert configs.mma_swap(replace(small, swap=True), None, 2) and not configs.mma_swap(replace(large, swap=False),
                                                                                            "sm_90", 4)
+
+
+def test_the_default_is_the_gpu_verified_configuration(monkeypatch):
+    """Without CLOVER_KERNELS_UNVERIFIED the kernels run as the last GPU session verified them (recorded in
+    configs.VERIFIED: changing the default is an edit there): no MMA order at load, so no swapped operands,
+    and split-K partials summed by a launch of their own; with the switch, every unverified change is on."""
+    monkeypatch.delenv("CLOVER_KERNELS_UNVERIFIED", raising=False)
+    assert (configs.VERIFIED.date, configs.VERIFIED.card, configs.VERIFIED.commit) == ("2026-12-04", "H200", "fe1975c")
+    assert configs.VERIFIED.changes == configs.KernelChanges(mma_order=False, sum_in_kernel=False)
+    assert configs.kernel_changes() == configs.VERIFIED.changes
+    t, w = random_int4(256, 40, 128)
+    lin = _quant_linear(t, 256, 40, 128)
+    dispatch.apply(lin, "triton")
+    assert lin.mma_order == 0 and not lin._int4.sum_in_kernel
+    x = torch.randn(5, 256, generator=GEN)
+    torch.testing.assert_close(lin(x).double(), x.double() @ w.t(), atol=1e-4, rtol=1e-4)
+    monkeypatch.setenv("CLOVER_KERNELS_UNVERIFIED", "1")
+    assert configs.kernel_changes() == configs.UNVERIFIED == configs.KernelChanges(mma_order=True, sum_in_kernel=True)
+    lin = _quant_linear(t, 256, 40, 128)
+    dispatch.apply(lin, "triton")
+    assert lin.mma_order == mma_layout.kernel_order() and lin._int4.sum_in_kernel
+    torch.testing.assert_close(lin(x).double(), x.double() @ w.t(), atol=1e-4, rtol=1e-4)
+    monkeypatch.setenv("CLOVER_KERNELS_UNVERIFIED", "yes")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        configs.kernel_changes()

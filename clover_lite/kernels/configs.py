@@ -14,6 +14,7 @@ Under the interpreter a single config is used.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 # Usable shared memory per thread block, bytes (opt-in maximum).
@@ -333,3 +334,40 @@ def attention_config(arch: str, head_dim: int, elem_bytes: int = 2) -> Attention
         else:
             break
     return c
+
+
+# ---- what a GPU has verified -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KernelChanges:
+    """Kernel changes made since the last GPU session, each on or off."""
+
+    mma_order: bool  # INT4 words rearranged at load into the tensor cores' operand order (mma_layout.py);
+    # swapped operands (mma_swap) apply only to weights in that order, so this switches them too
+    sum_in_kernel: bool  # the last K split of each tile sums the partials in the same launch (_last_split_sums)
+
+
+@dataclass(frozen=True)
+class Verified:
+    """The configuration a GPU session last ran and checked: what every GPU user gets by default."""
+
+    date: str
+    card: str
+    commit: str
+    changes: KernelChanges
+
+
+# Promote a change by setting it True here, with the RESULTS.md line of the GPU session that verified it.
+VERIFIED = Verified(date="2026-12-04", card="H200", commit="fe1975c",
+                    changes=KernelChanges(mma_order=False, sum_in_kernel=False))
+# Never run on a GPU: MMA-order weights and swapped operands, the in-kernel split-K sum (benchmarks/RESULTS.md).
+UNVERIFIED = KernelChanges(mma_order=True, sum_in_kernel=True)
+UNVERIFIED_SWITCH = "CLOVER_KERNELS_UNVERIFIED"
+
+
+def kernel_changes() -> KernelChanges:
+    """The changes in force: the verified configuration, or with CLOVER_KERNELS_UNVERIFIED=1 every change not
+    yet verified on a GPU. Read when a model's kernels are installed (kernels/forwards.py), once per load."""
+    value = os.environ.get(UNVERIFIED_SWITCH, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{UNVERIFIED_SWITCH} must be 0 or 1, got '{value}'")
+    return UNVERIFIED if value == "1" else VERIFIED.changes

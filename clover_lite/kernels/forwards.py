@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from clover_lite.kernels import mma_layout
+from clover_lite.kernels import configs, mma_layout
 from clover_lite.kernels.attention import block_attention
 from clover_lite.kernels.configs import ATTENTION_MAX_BLOCK_LEN
 from clover_lite.kernels.gdn import gdn_chunked
@@ -41,13 +41,13 @@ def _bind(module: nn.Module, name: str, fn: Callable) -> None:
 
 
 # ---- INT4 linears --------------------------------------------------------------------------------------
-def int4_weights(lin: QuantLinear) -> Int4Weights:
+def int4_weights(lin: QuantLinear, changes: configs.KernelChanges) -> Int4Weights:
     """The weights as the kernels take them; an act-order g_idx that is plain k // group_size (static
     groups) is dropped so the kernel takes its per-tile fast path."""
     K, G = lin.in_features, lin.groups
     g_idx = None if bool((lin.g_idx == lin.plain_groups()).all()) else lin.g_idx
     return Int4Weights(lin.qweight, lin.scales, lin.qzeros, K // G, g_idx, lin.checkpoint_format,
-                       perm=lin.k_perm, mma_order=lin.mma_order)
+                       perm=lin.k_perm, mma_order=lin.mma_order, sum_in_kernel=changes.sum_in_kernel)
 
 
 def _packed_from_mma(self: QuantLinear, index: int | None = None):
@@ -55,14 +55,15 @@ def _packed_from_mma(self: QuantLinear, index: int | None = None):
     return (mma_layout.from_mma(qweight, self.mma_order), *rest)
 
 
-def prepare_linear(lin: QuantLinear) -> None:
+def prepare_linear(lin: QuantLinear, changes: configs.KernelChanges) -> None:
     """The kernels' view of a GPTQ linear, cached on it (the g_idx checks sync with the device, which must
     not happen on every step). Act-order weights whose groups are only reordered (every group exactly
     group_size rows, as GPTQ's desc_act writes them) are repacked in place once so that each group's rows
     are contiguous: the kernels then take their per-tile path and the input's columns are gathered instead
     (M x K values, where the per-element path gathers K x N scales and zeros and needs several times the
     shared memory). Then, where the groups allow it, the words are rearranged in place into the order of
-    the tensor cores' operand registers (mma_layout.py), and `packed` reads them back. Neither is saved: the
+    the tensor cores' operand registers (mma_layout.py; only with `changes.mma_order`, not yet verified on a
+    GPU), and `packed` reads them back. Neither is saved: the
     buffers are in the kernels' order (k_perm and mma_order live on the module only). Idempotent."""
     lin.mma_order = getattr(lin, "mma_order", 0)  # 0: the GPTQ order
     plain = lin.plain_groups()
@@ -72,13 +73,13 @@ def prepare_linear(lin: QuantLinear) -> None:
             lin.qweight.copy_(repacked[0])
             lin.g_idx.copy_(plain.expand_as(lin.g_idx))
             lin.k_perm = repacked[1]
-    if not lin.mma_order and bool((lin.g_idx == plain).all()) \
+    if changes.mma_order and not lin.mma_order and bool((lin.g_idx == plain).all()) \
             and mma_layout.eligible(lin.in_features, lin.in_features // lin.groups, None):
         order = mma_layout.kernel_order()
         mma_layout.repack_(lin.qweight, order)
         lin.mma_order = order
         _bind(lin, "packed", _packed_from_mma)
-    lin._int4 = int4_weights(lin)
+    lin._int4 = int4_weights(lin, changes)
 
 
 def int4_matmul(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None) -> torch.Tensor:
@@ -106,7 +107,9 @@ def share_row_order(gate: nn.Module, up: nn.Module) -> None:
     if gate.k_perm is not None and up.k_perm is not None and gate.k_perm is not up.k_perm \
             and torch.equal(gate.k_perm, up.k_perm):
         up.k_perm = gate.k_perm
-        up._int4 = int4_weights(up)
+        up._int4 = Int4Weights(up.qweight, up.scales, up.qzeros, up._int4.group_size, up._int4.g_idx,
+                               up.checkpoint_format, perm=up.k_perm, mma_order=up.mma_order,
+                               sum_in_kernel=up._int4.sum_in_kernel)
 
 
 def fused_gate_up(gate: nn.Module, up: nn.Module) -> tuple[Int4Weights, Int4Weights] | None:
@@ -195,9 +198,9 @@ def _gdn_mix(self: GatedDeltaNet, x, recurrent, tail, need_state=True):
 
 
 # ---- install -------------------------------------------------------------------------------------------
-def _install_one(m: nn.Module) -> None:
+def _install_one(m: nn.Module, changes: configs.KernelChanges) -> None:
     if isinstance(m, QuantLinear):
-        prepare_linear(m)
+        prepare_linear(m, changes)
         _bind(m, "forward", _quant_linear_forward)
     elif isinstance(m, RMSNorm):
         _bind(m, "forward", _rms_norm_forward)
@@ -231,6 +234,9 @@ def _install_one(m: nn.Module) -> None:
 
 def install(model: nn.Module) -> None:
     """Bind the kernel-backed forwards on every module of `model` that has one, children before parents (a
-    parent combines what its children prepared: the fused gate/up reads both projections' INT4 weights)."""
+    parent combines what its children prepared: the fused gate/up reads both projections' INT4 weights). The
+    kernel changes in force (configs.kernel_changes: the GPU-verified ones unless CLOVER_KERNELS_UNVERIFIED=1)
+    are read here, once."""
+    changes = configs.kernel_changes()
     for m in reversed(list(model.modules())):
-        _install_one(m)
+        _install_one(m, changes)

@@ -610,10 +610,13 @@ class Int4Weights:
     """GPTQ tensors of one linear ([K/8, N] ...) or a stack of experts ([E, K/8, N] ...), validated."""
 
     def __init__(self, qweight, scales, qzeros, group_size: int, g_idx=None, checkpoint_format: str = "gptq",
-                 perm=None, mma_order: int = 0):
+                 perm=None, mma_order: int = 0, sum_in_kernel: bool = True):
         """`perm` [.., K]: weights whose rows were reordered by group at load (quant.pack.sort_rows_by_group):
         row k multiplies input column perm[k]. The kernels do not read it; callers gather x's columns first.
-        `mma_order` 2 or 4: qweight's words are in that MMA order (mma_layout.py), contiguous; 0: GPTQ's."""
+        `mma_order` 2 or 4: qweight's words are in that MMA order (mma_layout.py), contiguous; 0: GPTQ's.
+        `sum_in_kernel` False: split-K partials are summed by a launch of their own even where the config
+        would sum them in the kernel (the GPU-verified way; kernels/forwards.py sets it from
+        configs.kernel_changes)."""
         if qweight.dim() == 2:
             qweight, scales, qzeros = qweight[None], scales[None], qzeros[None]
             g_idx = None if g_idx is None else g_idx[None]
@@ -652,6 +655,7 @@ class Int4Weights:
                              f"of {mma_layout.BLOCK} and groups of a multiple of {mma_layout.BLOCK} rows (orders "
                              f"{mma_layout.ORDERS}); got K = {K}, group size {group_size}")
         self.mma_order = mma_order
+        self.sum_in_kernel = sum_in_kernel
         self.qweight, self.scales, self.qzeros = qweight, scales, qzeros
         self.g_idx = None if g_idx is None else g_idx.to(torch.int32)
         self.E, self.K, self.N, self.group_size = E, K, N, group_size
@@ -680,7 +684,8 @@ class Int4Weights:
     def in_mma_order(self, order: int) -> Int4Weights:
         """These weights with a copy of the words rearranged in `order` (mma_layout.py)."""
         return Int4Weights(mma_layout.to_mma(self.qweight, order), self.scales, self.qzeros, self.group_size,
-                           self.g_idx, "gptq" if self.zero_offset else "gptq_v2", self.perm, mma_order=order)
+                           self.g_idx, "gptq" if self.zero_offset else "gptq_v2", self.perm, mma_order=order,
+                           sum_in_kernel=self.sum_in_kernel)
 
     def args(self):
         gi = self.g_idx if self.g_idx is not None else self.qweight  # any pointer; unused without g_idx
@@ -924,10 +929,11 @@ def _split_buffer(split: int, rows: int, w: Int4Weights, fused: bool, cdt: torch
 def _sum_target(split: int, sum_splits: bool, cfg: configs.GemmConfig | configs.GemvConfig, rows: int,
                 w: Int4Weights, cdt: torch.dtype, grid: tuple[int, int, int],
                 dummy: torch.Tensor) -> tuple[bool, torch.Tensor, torch.Tensor]:
-    """Whether the kernel sums its K splits itself (more than one, summed, and the config's sum_in_kernel),
+    """Whether the kernel sums its K splits itself (more than one, summed, the config's and the weights'
+    sum_in_kernel),
     with the output [rows, N] that the last split of each tile writes and the tiles' counters; else `dummy`
     for both (pointers the kernel never touches)."""
-    if not (split > 1 and sum_splits and cfg.sum_in_kernel):
+    if not (split > 1 and sum_splits and cfg.sum_in_kernel and w.sum_in_kernel):
         return False, dummy, dummy
     return True, torch.empty(rows, w.N, device=dummy.device, dtype=cdt), w.tile_counters(grid[0] * grid[1])
 
