@@ -20,13 +20,13 @@ FAST = ("--prompt-tokens", "32", "--new-tokens", "12", "--steps", "3")
 
 
 def test_bench_tiny_random_weights(tmp_path):
+    out = tmp_path / "results.json"
     r = clover("bench", "--config", "tiny", "--random-weights", *FAST, "--plot", str(tmp_path / "p.png"),
-               cwd=tmp_path)
+               "--json", out.name, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     for word in ("clover bench: tiny", "tok/s", "tokens/forward", "step latency", "commit latency", "prefill",
                  "peak memory", "random weights"):
         assert word in r.stdout, word
-    out = tmp_path / "clover-bench-tiny-fp32.json"
     assert f"wrote {out.name}" in r.stderr
     data = json.loads(out.read_text())
     assert data["random_weights"] and data["quant"] == "fp32" and data["block_size"] == 4
@@ -122,3 +122,15 @@ def test_bench_times_the_step_the_engine_decodes_with(tiny_dir):
     assert bench_context(1, 1, 1, 4) == 4 + 8
     with pytest.raises(CloverError, match="cache holds 48 positions and this benchmark needs 56"):
         run_bench(eng, 4, prompt_tokens=32, new_tokens=12, steps=5)
+
+
+def test_bench_writes_only_what_is_asked_and_checks_it_first(tmp_path):
+    r = clover("bench", "--config", "tiny", "--random-weights", *FAST, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written into the working directory unasked
+    (tmp_path / "afile").write_text("mine")
+    for target in (tmp_path / "afile" / "b.json", tmp_path / "missing" / "b.json", tmp_path):
+        r = clover("bench", "--config", "tiny", "--random-weights", *FAST, "--json", str(target), cwd=tmp_path)
+        assert r.returncode == 1 and "cannot write" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert "tok/s" not in r.stdout  # refused before the run, not after it
+    assert (tmp_path / "afile").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

@@ -2,7 +2,7 @@
 
 Experts are written per expert (`mlp.experts.N.gate_proj.weight`, ...), as transformers saves them.
 The directory appears complete or not at all: everything is written to a temporary sibling that is
-renamed into place at the end.
+renamed into place at the end (checkpoint/output.py says where writing is allowed).
 """
 
 from __future__ import annotations
@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from clover_lite.errors import CloverError
+from clover_lite.checkpoint.output import check_output, publish_directory, temporary_sibling
 from clover_lite.models.denoiser import Denoiser
 
 
@@ -54,33 +53,6 @@ def checkpoint_tensors(
             yield f"model.{name}", t.contiguous()
 
 
-def atomic_directory(out: Path, force: bool = False) -> tuple[Path, Callable[[], None]]:
-    """A temporary directory next to `out` and the function that moves it into place."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise CloverError(f"{out} already exists; choose another path or pass force=True (--force) to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    return tmp, lambda: publish_directory(tmp, out)
-
-
-def publish_directory(tmp: Path, out: Path) -> None:
-    """Move a finished directory into place (replacing `out` if it exists) with the modes a plain mkdir and
-    open would give: mkdtemp makes it 0700 and safetensors writes 0600, unreadable to anyone else."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for p in (tmp, *tmp.rglob("*")):
-        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
-
-
 def save_checkpoint(
     model: Denoiser,
     out: str | os.PathLike,
@@ -89,13 +61,17 @@ def save_checkpoint(
     max_shard_bytes: int | None = None,
     extra_files: Callable[[Path], None] | None = None,
     force: bool = False,
+    kind: str = "checkpoint",
 ) -> Path:
     """Write config.json + safetensors (sharded with an index when over `max_shard_bytes`).
 
-    `extra_files(tmpdir)` may add tokenizer files before the directory is moved into place.
+    `extra_files(tmpdir)` may add tokenizer files before the directory is moved into place. `force`
+    replaces an earlier output of ours at `out` (never another directory: see checkpoint/output.py).
     """
     out = Path(out)
-    tmp, finish = atomic_directory(out, force)
+    needed = sum(t.numel() * t.element_size() for t in model.state_dict().values() if t.device.type != "meta")
+    check_output(out, force=force, needed_bytes=needed)
+    tmp = temporary_sibling(out, "tmp")
     try:
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
@@ -120,7 +96,7 @@ def save_checkpoint(
         (tmp / "config.json").write_text(json.dumps(config_json, indent=2))
         if extra_files:
             extra_files(tmp)
-        finish()
+        publish_directory(tmp, out, kind)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -76,5 +76,5 @@ def write_tiny_checkpoint(
     model = init_random(Denoiser(config).float(), seed)
     return save_checkpoint(
         model, out, cfg_json, dtype=torch.float32, max_shard_bytes=max_shard_bytes,
-        extra_files=lambda d: write_byte_tokenizer(d), force=force,
+        extra_files=lambda d: write_byte_tokenizer(d), force=force, kind="tiny",
     )

@@ -257,7 +257,7 @@ def _check_plan(p: MemoryPlan, device: torch.device) -> None:
 @click.option("--policy", type=click.Choice(["threshold", "fixed"]), default="threshold", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(), default=None,
-              help="Where to write the results (default: clover-bench-NAME-QUANT.json).")
+              help="Also write the results as JSON to this file.")
 @click.option("--plot", "plot_path", type=click.Path(), default=None,
               help="Also write a PNG (needs matplotlib, not a dependency).")
 def bench(model, model_path, config_name, random_weights, quant, group_size, device, dtype, block_size, prompt_tokens,
@@ -269,6 +269,7 @@ def bench(model, model_path, config_name, random_weights, quant, group_size, dev
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from clover_lite.checkpoint.output import check_file_target, write_text_atomic
     from clover_lite.cli.common import fail, load_with_progress, model_argument
     from clover_lite.models.config import load_config
     from clover_lite.runtime.engine import resolve_device, resolve_dtype
@@ -286,6 +287,9 @@ def bench(model, model_path, config_name, random_weights, quant, group_size, dev
                               "(clover quantize makes an INT4 one)")
         if min(prompt_tokens, new_tokens, steps) < 1:
             raise CloverError("--prompt-tokens, --new-tokens and --steps must be >= 1")
+        for target in (json_path, plot_path):  # before the run, not after it
+            if target:
+                check_file_target(target)
         dev = resolve_device(device)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
@@ -335,9 +339,12 @@ def bench(model, model_path, config_name, random_weights, quant, group_size, dev
         "peak_memory_kind": kind, "plan": p.to_dict(), "kernels": getattr(model, "backend", "torch"),
     })
     Console().print(_table(report))
-    out = Path(json_path or f"clover-bench-{name}-{p.scheme.kind}.json")
-    out.write_text(json.dumps(report, indent=2, default=str))
-    click.echo(f"wrote {out}", err=True)
+    if json_path:
+        try:
+            write_text_atomic(json_path, json.dumps(report, indent=2, default=str))
+        except CloverError as e:
+            fail(e)
+        click.echo(f"wrote {json_path}", err=True)
     if plot_path:
         msg = write_plot(report, Path(plot_path))
         click.echo(msg if msg else f"wrote {plot_path}", err=True)

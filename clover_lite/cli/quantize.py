@@ -37,11 +37,12 @@ from clover_lite.errors import CloverError
 @click.option("--seqlen", type=int, default=512, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="Where the math runs (cuda when there is a GPU).")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer.")
+@click.option("--restart", is_flag=True, help="Discard an interrupted run's finished layers and start again.")
+@click.option("--force", is_flag=True, help="Replace OUT if it is an earlier output of clover-lite (nothing else).")
 def quantize(src, out, method, group_size, asym, no_act_order, no_static_groups, damp_percent, checkpoint_format,
              quantize_lm_head, calib, calibration, moe_calibration, min_expert_samples, nsamples, seqlen, seed,
-             device, force, resume) -> None:
+             device, resume, restart, force) -> None:
     """Quantize the 16-bit checkpoint SRC to INT4 (GPTQ format) in OUT, one layer at a time."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -70,10 +71,11 @@ def quantize(src, out, method, group_size, asym, no_act_order, no_static_groups,
                     click.echo(f"layer {i + 1}/{n} {info['kind']}: {info['seconds']:.1f} s"
                                + (f", relative error {errs}" if errs else ""), err=True)
 
-            report = quantize_model(src, out, options, force=force, resume=resume, on_layer=on_layer)
+            report = quantize_model(src, out, options, force=force, resume=resume, restart=restart,
+                                    on_layer=on_layer)
     except KeyboardInterrupt:
-        click.echo(f"\ninterrupted: rerun the same command with --resume to continue ({out} was not written)",
-                   err=True)
+        click.echo(f"\ninterrupted: rerun the same command with --resume to continue from the finished layers "
+                   f"({out} was not written)", err=True)
         sys.exit(130)
     except CloverError as e:
         fail(e)

@@ -62,6 +62,20 @@ def _masked_log_probs(engine: Engine, x: torch.Tensor, masked: torch.Tensor, blo
     return logits.log_softmax(-1).cpu()
 
 
+def _check_comparable(engine: Engine, reference: Engine) -> None:
+    """KL and agreement compare distributions over the same tokens: same vocabulary, same mask token."""
+    ours, theirs = engine.config, reference.config
+    if ours.vocab_size != theirs.vocab_size or engine.mask_token_id != reference.mask_token_id:
+        raise CloverError(
+            f"the model and --against differ in vocabulary ({ours.vocab_size} vs {theirs.vocab_size} tokens, mask "
+            f"id {engine.mask_token_id} vs {reference.mask_token_id}); compare a model with the checkpoint it was "
+            "quantized from")
+    probe = "The quick brown fox: 1, 22, 333; def f(x): return x"
+    if engine.tokenizer and reference.tokenizer and engine.tokenizer.encode(probe) != reference.tokenizer.encode(probe):
+        raise CloverError("the model and --against tokenize text differently; compare a model with the checkpoint "
+                          "it was quantized from")
+
+
 @torch.no_grad()
 def evaluate(
     engine: Engine,
@@ -74,6 +88,8 @@ def evaluate(
     mask_ratios: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0),
     batch: int = 8,
 ) -> EvalResult:
+    if reference is not None:
+        _check_comparable(engine, reference)
     block = block_size or engine.config.block_size or 4
     ids, masked = eval_windows(engine, text_file, nsamples, seqlen, seed, block, mask_ratios)
     noisy = ids.masked_fill(masked, engine.mask_token_id)

@@ -30,7 +30,14 @@ from safetensors.torch import save_file
 from clover_lite.checkpoint.files import read_header
 from clover_lite.checkpoint.load import Checkpoint, build_model, copy_tensors, plan_checkpoint
 from clover_lite.checkpoint.names import canonical_name
-from clover_lite.checkpoint.save import checkpoint_tensors, publish_directory
+from clover_lite.checkpoint.output import (
+    check_output,
+    make_parents,
+    owned_files,
+    publish_directory,
+    write_text_atomic,
+)
+from clover_lite.checkpoint.save import checkpoint_tensors
 from clover_lite.errors import CloverError
 from clover_lite.models.config import ModelConfig, load_config
 from clover_lite.models.denoiser import Denoiser, block_causal_mask
@@ -303,12 +310,6 @@ def _atomic_save_file(tensors: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _check_finite(t: torch.Tensor, what: str) -> None:
     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
         raise QuantizationError(f"{what} contains NaN or Inf values; the source checkpoint or calibration is broken")
@@ -337,6 +338,9 @@ def _run_layer(layer, acts: torch.Tensor, model: Denoiser, cos, sin, mask, batch
     return out
 
 
+PARTIAL_MARKER = ".clover-lite-partial"  # in `.OUT.partial`: what says it is ours to resume or remove
+
+
 def quantize_model(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -344,18 +348,23 @@ def quantize_model(
     force: bool = False,
     resume: bool = False,
     on_layer: Callable[[int, int, dict], None] | None = None,
+    restart: bool = False,
 ) -> QuantizeReport:
-    """Quantize the checkpoint at `src` into `out` (see the module docstring)."""
+    """Quantize the checkpoint at `src` into `out` (see the module docstring).
+
+    An unfinished run of the same command (its `.OUT.partial`) is continued with `resume`, or discarded
+    with `restart`; with neither it is refused, so finished layers are never thrown away silently.
+    `force` replaces an earlier output of ours at `out`, and nothing else (checkpoint/output.py)."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     if options.method not in METHODS:
         raise QuantizationError(f"unknown method '{options.method}'; use one of {METHODS}")
     if options.moe_calibration not in ("all", "routed"):
         raise QuantizationError(f"moe_calibration must be 'all' or 'routed', got '{options.moe_calibration}'")
-    if out.exists() and not force:
-        raise CloverError(f"{out} already exists; pass --force to replace it")
-    if out.resolve() == src.resolve():
-        raise CloverError("the output directory must differ from the source")
+    if resume and restart:
+        raise QuantizationError("--resume continues the unfinished run and --restart discards it: pass one")
+    # Before anything is read or written: OUT must not hold someone else's files nor touch the source.
+    check_output(out, sources=[src], force=force)
     config = load_config(src)
     ckpt = Checkpoint(src)
     if ckpt.quant_config is not None:
@@ -364,23 +373,73 @@ def quantize_model(
     model = build_model(config, device, torch.float32, materialize=False)  # all on meta: nothing allocated
     plans, _, _ = plan_checkpoint(model, ckpt)  # validates the whole checkpoint from its headers
     check_shapes(model, options)
+
+    # About the packed layers plus the 16-bit rest, and the activations kept for --resume.
+    src_bytes = sum(f.stat().st_size for f in ckpt.files)
+    acts_bytes = 0 if options.method == "nf4" else 4 * options.nsamples * options.seqlen * config.hidden_size
+    check_output(out, sources=[src], force=force, needed_bytes=src_bytes // 3 + acts_bytes)
+    partial = out.parent / f".{out.name}.partial"
+    # Ours: an unfinished run, or the old output a replacement swapped out just before a crash.
+    ours = (partial / PARTIAL_MARKER).exists() or owned_files(partial) is not None
+    if partial.exists() and not ours and any(partial.iterdir()):
+        raise QuantizationError(f"{partial} exists and clover-lite did not write it; move it away (nothing "
+                                "was changed)")
+    state = unfinished_run(partial, src, options, resume, restart)
+    if state is None:
+        if partial.exists():
+            shutil.rmtree(partial)
+        make_parents(out)
+        try:
+            partial.mkdir()
+            (partial / PARTIAL_MARKER).touch()
+        except OSError as e:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise QuantizationError(f"cannot write {out}: {e.strerror or e} in {out.parent}; choose a "
+                                    "directory you can write to") from e
+    try:
+        return _quantize_into(src, out, options, t0, config, ckpt, model, plans, partial, state, on_layer)
+    except CloverError:
+        # Bad input (NaN weights, a broken source): resuming would fail the same way, so nothing is kept.
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    except OSError as e:  # a full disk, a vanished directory: the finished layers stay for --resume
+        raise QuantizationError(f"writing {out} failed: {e.strerror or e} ({e.filename or partial}); the "
+                                f"finished layers are kept in {partial}: fix that and rerun with --resume") from e
+
+
+def unfinished_run(partial: Path, src: Path, options: QuantizeOptions, resume: bool, restart: bool) -> dict | None:
+    """The state of the unfinished run to continue, or None to start afresh; raise when continuing or
+    discarding it is the user's choice to make."""
+    state_file = partial / "state.json"
+    if not partial.exists() or restart:
+        return None
+    try:
+        state = json.loads(state_file.read_text())
+        done = int(state["next_layer"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # killed before its first layer finished: nothing to lose
+    same = state.get("fingerprint") == options.fingerprint() and state.get("source") == str(src.resolve())
+    if resume and same:
+        return state
+    if resume:
+        raise QuantizationError(
+            f"the unfinished run in {partial} ({done} layers done) used another source or other settings: "
+            "rerun with its settings and --resume to continue it, or pass --restart to discard it")
+    raise QuantizationError(
+        f"an unfinished run of this quantization is in {partial} ({done} layers done): pass --resume to "
+        "continue it" + ("" if same else " (it used other settings than these)")
+        + ", or --restart to discard it and start again")
+
+
+def _quantize_into(src: Path, out: Path, options: QuantizeOptions, t0: float, config: ModelConfig,
+                   ckpt: Checkpoint, model: Denoiser, plans, partial: Path, state: dict | None,
+                   on_layer: Callable[[int, int, dict], None] | None) -> QuantizeReport:
+    device = torch.device(options.device)
     block = options.block_size or config.block_size or 4
     n_layers = config.num_hidden_layers
     n_shards = n_layers + 1
     src_dtype = SAFETENSORS_TO_TORCH.get(ckpt.canonical()["embed_tokens.weight"].dtype, torch.bfloat16)
-
-    partial = out.parent / f".{out.name}.partial"
     state_file, acts_file = partial / "state.json", partial / "activations.pt"
-    state = None
-    if resume and state_file.exists():
-        state = json.loads(state_file.read_text())
-        if state.get("fingerprint") != options.fingerprint() or state.get("source") != str(src.resolve()):
-            raise CloverError(
-                f"the unfinished run in {partial} used another source or other settings; rerun without --resume"
-            )
-    elif partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True, exist_ok=True)
 
     L = options.seqlen
     cos, sin = model.rotary(torch.arange(L, device=device))
@@ -430,7 +489,7 @@ def quantize_model(
                  "errors": summary, "fallback_experts": layer_fallbacks}
         state["layers"].append(entry)
         state["next_layer"] = i + 1
-        _atomic_write(state_file, json.dumps(state))
+        write_text_atomic(state_file, json.dumps(state))
         fallbacks += layer_fallbacks
         if on_layer:
             on_layer(i, n_layers, {**entry, "seconds": time.perf_counter() - lt})
@@ -457,9 +516,9 @@ def quantize_model(
 
     error_by_kind = _mean_errors(state["layers"], lm_head_error)
     _write_metadata(partial, src, config, options, state["layers"], error_by_kind, fallbacks, block, n_shards)
-    for f in (state_file, acts_file):
+    for f in (state_file, acts_file, partial / PARTIAL_MARKER):
         f.unlink(missing_ok=True)
-    publish_directory(partial, out)
+    publish_directory(partial, out, "quantized")
     return QuantizeReport(
         out=out,
         seconds=time.perf_counter() - t0,
@@ -523,7 +582,7 @@ def _write_metadata(partial: Path, src: Path, config: ModelConfig, options: Quan
         for name, info in read_header(partial / fname).items():
             weight_map[name] = fname
             total += DTYPE_BYTES[info.dtype] * math.prod(info.shape)
-    _atomic_write(partial / "model.safetensors.index.json",
+    write_text_atomic(partial / "model.safetensors.index.json",
                   json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     quant = _quant_config(options)
     clover = {
@@ -540,10 +599,10 @@ def _write_metadata(partial: Path, src: Path, config: ModelConfig, options: Quan
         "layers": layers,
         "rtn_fallback_experts": fallbacks,
     }
-    _atomic_write(partial / "quantize_config.json", json.dumps({**quant, "clover": clover}, indent=2))
+    write_text_atomic(partial / "quantize_config.json", json.dumps({**quant, "clover": clover}, indent=2))
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = quant
-    _atomic_write(partial / "config.json", json.dumps(cfg, indent=2))
+    write_text_atomic(partial / "config.json", json.dumps(cfg, indent=2))
     for name in COPIED_FILES:
         if (src / name).exists():
             shutil.copyfile(src / name, partial / name)
