@@ -187,3 +187,26 @@ def test_eval_against_another_vocabulary_is_a_clear_error(tmp_path):
     b = write_tiny_checkpoint(tmp_path / "b", seed=1, vocab_size=300)
     r = CliRunner().invoke(main, ["eval", str(a), "--against", str(b), "--nsamples", "2", "--seqlen", "16"])
     assert r.exit_code == 1 and "differ in vocabulary" in r.output, r.output
+
+
+def test_a_failed_write_keeps_the_finished_layers_for_resume(tmp_path, monkeypatch):
+    from clover_lite.quant import pipeline
+
+    src = write_tiny_checkpoint(tmp_path / "src", seed=1)
+    out, partial = tmp_path / "int4", tmp_path / ".int4.partial"
+    real, writes = pipeline.write_text_atomic, []
+
+    def disk_full_on_third_state(path, text):
+        writes.append(path.name)
+        if writes.count("state.json") == 3:
+            raise OutputError(f"cannot write {path}: No space left on device")
+        real(path, text)
+
+    monkeypatch.setattr(pipeline, "write_text_atomic", disk_full_on_third_state)
+    with pytest.raises(QuantizationError, match="kept in .*rerun with --resume"):
+        quantize_model(src, out, QuantizeOptions(**FAST))
+    monkeypatch.setattr(pipeline, "write_text_atomic", real)
+    assert json.loads((partial / "state.json").read_text())["next_layer"] == 2
+    seen = []
+    quantize_model(src, out, QuantizeOptions(**FAST), resume=True, on_layer=lambda i, n, info: seen.append(i))
+    assert seen == [2, 3] and (out / MARKER).exists()

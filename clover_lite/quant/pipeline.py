@@ -31,6 +31,7 @@ from clover_lite.checkpoint.files import read_header
 from clover_lite.checkpoint.load import Checkpoint, build_model, copy_tensors, plan_checkpoint
 from clover_lite.checkpoint.names import canonical_name
 from clover_lite.checkpoint.output import (
+    OutputError,
     check_output,
     make_parents,
     owned_files,
@@ -398,6 +399,9 @@ def quantize_model(
                                     "directory you can write to") from e
     try:
         return _quantize_into(src, out, options, t0, config, ckpt, model, plans, partial, state, on_layer)
+    except OutputError as e:  # a write failed (a full disk): the finished layers stay for --resume
+        raise QuantizationError(f"{e}; the finished layers are kept in {partial}: fix that and rerun with "
+                                "--resume") from e
     except CloverError:
         # Bad input (NaN weights, a broken source): resuming would fail the same way, so nothing is kept.
         shutil.rmtree(partial, ignore_errors=True)
