@@ -139,23 +139,58 @@ def test_interrupt_and_resume_is_byte_identical(src, gptq_out, tmp_path):
     _assert_same_files(gptq_out[0], out)
 
 
-def test_killed_run_leaves_no_output_and_resumes(src, gptq_out, tmp_path):
-    out = tmp_path / "killed"
+def _killed(src, out, die_at: str, resume: bool) -> None:
+    """Run quantize in a subprocess that SIGKILLs itself at `die_at`: "layer N" (after layer N finished),
+    "shard N" (the Nth shard write, before it lands), "metadata" (writing quantize_config.json)."""
     script = textwrap.dedent(f"""
         import os, signal
-        from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
-        def kill(i, n, info):
-            if i == 2:
-                os.kill(os.getpid(), signal.SIGKILL)
-        quantize_model({str(src)!r}, {str(out)!r}, QuantizeOptions(**{FAST!r}), on_layer=kill)
+        from clover_lite.quant import pipeline
+        die_at, shards = {die_at!r}, [0]
+        def die():
+            os.kill(os.getpid(), signal.SIGKILL)
+        def on_layer(i, n, info):
+            if die_at == f"layer {{i}}":
+                die()
+        save, write = pipeline._atomic_save_file, pipeline.write_text_atomic
+        def save_or_die(tensors, path):
+            shards[0] += 1
+            if die_at == f"shard {{shards[0]}}":
+                die()
+            save(tensors, path)
+        def write_or_die(path, text):
+            if die_at == "metadata" and path.name == "quantize_config.json":
+                die()
+            write(path, text)
+        pipeline._atomic_save_file, pipeline.write_text_atomic = save_or_die, write_or_die
+        pipeline.quantize_model({str(src)!r}, {str(out)!r}, pipeline.QuantizeOptions(**{FAST!r}),
+                                resume={resume!r}, on_layer=on_layer)
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert r.returncode == -9, r.stderr
-    assert not out.exists()
+
+
+def test_killed_at_several_points_resumes_byte_identical(src, gptq_out, tmp_path):
+    out = tmp_path / "killed"
+    for n, point in enumerate(("layer 0", "shard 3", "layer 3", "metadata")):
+        _killed(src, out, point, resume=n > 0)  # each resumed run is killed again, further on
+        assert not out.exists()
     with pytest.raises(CloverError, match="other settings"):
         quantize_model(src, out, QuantizeOptions(**{**FAST, "seed": 1}), resume=True)
     quantize_model(src, out, QuantizeOptions(**FAST), resume=True)
     _assert_same_files(gptq_out[0], out)
+
+
+def test_resume_detects_a_changed_source(tmp_path):
+    src = write_tiny_checkpoint(tmp_path / "src", seed=4)
+    out = tmp_path / "q"
+    _killed(src, out, "layer 1", resume=False)
+    t = load_file(src / "model.safetensors")
+    t["model.norm.weight"].mul_(2)  # same size, new contents
+    save_file(t, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(QuantizationError, match="changed since the unfinished run"):
+        quantize_model(src, out, QuantizeOptions(**FAST), resume=True)
+    quantize_model(src, out, QuantizeOptions(**FAST), restart=True)
+    assert out.exists()
 
 
 def _assert_same_files(a, b):

@@ -411,6 +411,18 @@ def quantize_model(
                                 f"finished layers are kept in {partial}: fix that and rerun with --resume") from e
 
 
+def source_files(src: Path) -> str:
+    """What identifies the source's contents for --resume without reading them: each file's name, size and
+    modification time."""
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in src.iterdir() if p.is_file())
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
+
+
+def _new_state(src: Path, options: QuantizeOptions) -> dict:
+    return {"fingerprint": options.fingerprint(), "source": str(src.resolve()), "source_files": source_files(src),
+            "next_layer": 0, "layers": []}
+
+
 def unfinished_run(partial: Path, src: Path, options: QuantizeOptions, resume: bool, restart: bool) -> dict | None:
     """The state of the unfinished run to continue, or None to start afresh; raise when continuing or
     discarding it is the user's choice to make."""
@@ -423,6 +435,10 @@ def unfinished_run(partial: Path, src: Path, options: QuantizeOptions, resume: b
     except (OSError, ValueError, KeyError, TypeError):
         return None  # killed before its first layer finished: nothing to lose
     same = state.get("fingerprint") == options.fingerprint() and state.get("source") == str(src.resolve())
+    if resume and same and state.get("source_files") != source_files(src):
+        raise QuantizationError(
+            f"the source {src} changed since the unfinished run in {partial} began ({done} layers done), so its "
+            "finished layers no longer match it: pass --restart to quantize the source as it is now")
     if resume and same:
         return state
     if resume:
@@ -451,7 +467,7 @@ def _quantize_into(src: Path, out: Path, options: QuantizeOptions, t0: float, co
     nf4 = options.method == "nf4"
     if state is None and nf4:
         acts = None  # NF4 needs no calibration
-        state = {"fingerprint": options.fingerprint(), "source": str(src.resolve()), "next_layer": 0, "layers": []}
+        state = _new_state(src, options)
     elif state is None:
         ids = calibration_batch(src, config, options, block).to(device)
         model.embed_tokens.to_empty(device=device)
@@ -460,7 +476,7 @@ def _quantize_into(src: Path, out: Path, options: QuantizeOptions, t0: float, co
         with torch.no_grad():
             acts = model.embed_tokens(ids).float()
         model.embed_tokens.to(device="meta")
-        state = {"fingerprint": options.fingerprint(), "source": str(src.resolve()), "next_layer": 0, "layers": []}
+        state = _new_state(src, options)
     else:
         acts = None if nf4 else torch.load(acts_file, map_location=device)
 
