@@ -298,3 +298,19 @@ def test_peak_memory_independent_of_depth(tmp_path):
     assert peaks[8] < 1.5 * peaks[2], peaks
     # Holding the other six layers would add >= 6 layer_bytes; allocator noise is well under 3.
     assert peaks[8] - peaks[2] < 3 * layer_bytes, (peaks, layer_bytes)
+
+
+def test_group_size_left_open_is_chosen_to_fit(tmp_path):
+    from click.testing import CliRunner
+
+    from clover_lite.cli.main import main
+    from clover_lite.runtime.engine import BUNDLED_MODEL
+
+    # The bundled model is 192 wide: 128 does not divide it, 64 does.
+    r = CliRunner().invoke(main, ["quantize", str(BUNDLED_MODEL), str(tmp_path / "b"), "--method", "rtn",
+                                  "--nsamples", "2", "--seqlen", "32"])
+    assert r.exit_code == 0, r.output
+    assert "64 (chosen to divide every layer)" in r.output
+    assert json.loads((tmp_path / "b" / "quantize_config.json").read_text())["group_size"] == 64
+    r = CliRunner().invoke(main, ["quantize", str(BUNDLED_MODEL), str(tmp_path / "c"), "--group-size", "128"])
+    assert r.exit_code == 1 and "pass --group-size 64, 32, 16 or -1" in r.output, r.output

@@ -16,8 +16,9 @@ from clover_lite.errors import CloverError
 @click.argument("out", type=click.Path())
 @click.option("--method", type=click.Choice(["gptq", "rtn", "nf4"]), default="gptq", show_default=True,
               help="gptq (calibrated), rtn (round-to-nearest), nf4 (bitsandbytes baseline, no calibration).")
-@click.option("--group-size", type=int, default=128, show_default=True,
-              help="Input channels per group; -1: per-channel.")
+@click.option("--group-size", type=int, default=None,
+              help="Input channels per group; -1: per-channel. Default: 128, or the largest of 64, 32, 16 that "
+                   "divides every layer.")
 @click.option("--asym", is_flag=True, help="Asymmetric zeros (default: symmetric).")
 @click.option("--no-act-order", is_flag=True, help="Quantize columns in their natural order.")
 @click.option("--no-static-groups", is_flag=True, help="Group parameters found during GPTQ (changes g_idx).")
@@ -80,6 +81,8 @@ def quantize(src, out, method, group_size, asym, no_act_order, no_static_groups,
     except CloverError as e:
         fail(e)
     table = Table(title=f"{method} -> {report.out}", show_header=False)
+    table.add_row("group size", str(report.group_size) + (" (chosen to divide every layer)"
+                                                           if group_size is None and report.group_size != 128 else ""))
     table.add_row("time", f"{report.seconds:.1f} s")
     table.add_row("size", f"{report.bytes_before / 2**20:.1f} MiB -> {report.bytes_after / 2**20:.1f} MiB "
                           f"({report.bytes_before / max(report.bytes_after, 1):.2f}x smaller)")

@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -65,7 +65,7 @@ class QuantizationError(CloverError):
 @dataclass(frozen=True)
 class QuantizeOptions:
     method: str = "gptq"  # gptq | rtn | nf4 (bitsandbytes NF4, no calibration: the baseline)
-    group_size: int = 128  # -1: per-channel
+    group_size: int | None = 128  # -1: per-channel; None: the largest of GROUP_SIZES that fits
     sym: bool = True
     act_order: bool = True
     static_groups: bool = True
@@ -104,6 +104,7 @@ class QuantizeReport:
     error_by_kind: dict[str, float]
     fallback_experts: list[str]
     layers: list[dict] = field(default_factory=list)
+    group_size: int = 128  # as used (the one chosen when the options left it open)
 
 
 # ---- what to quantize in a layer ----------------------------------------------------------------
@@ -128,8 +129,11 @@ def layer_targets(layer: torch.nn.Module) -> list[tuple[str, str, str]]:
     return t
 
 
-def check_shapes(model: Denoiser, options: QuantizeOptions) -> None:
-    """Fail before any work if a linear cannot be packed with these settings."""
+GROUP_SIZES = (128, 64, 32, 16)  # what `group_size=None` tries, in order: 128 is the format's usual choice
+
+
+def linear_shapes(model: Denoiser, options: QuantizeOptions) -> dict[str, tuple[int, int]]:
+    """(out, in) features of every linear to quantize, by name."""
     c = model.config
     shapes = {}
     for i, layer in enumerate(model.layers):
@@ -141,14 +145,31 @@ def check_shapes(model: Denoiser, options: QuantizeOptions) -> None:
             shapes[f"layers.{i}.mlp.experts.*.down_proj"] = (c.hidden_size, c.moe_intermediate_size)
     if options.quantize_lm_head:
         shapes["lm_head"] = (c.vocab_size, c.hidden_size)
+    return shapes
+
+
+def fitting_group_sizes(shapes: dict[str, tuple[int, int]]) -> list[int]:
+    return [g for g in GROUP_SIZES if all(k % g == 0 for _, k in shapes.values())]
+
+
+def check_shapes(model: Denoiser, options: QuantizeOptions) -> QuantizeOptions:
+    """Fail before any work if a linear cannot be packed with these settings; the options with the group
+    size chosen when it was left to us (None: the first of GROUP_SIZES that divides every layer)."""
+    shapes = linear_shapes(model, options)
     for name, (n, k) in shapes.items():
         if k % PACK or n % PACK:
             raise QuantizationError(f"{name} is {n} x {k}: INT4 GPTQ packing needs both divisible by {PACK}")
+    fits = fitting_group_sizes(shapes)
+    if options.group_size is None:
+        return replace(options, group_size=fits[0] if fits else -1)
+    for name, (_, k) in shapes.items():
         if options.group_size != -1 and k % options.group_size:
+            choices = ", ".join(str(g) for g in fits) + (" or " if fits else "") + "-1 (per-channel)"
             raise QuantizationError(
                 f"{name} has {k} input features, not a multiple of group size {options.group_size}; "
-                "choose a group size that divides it or -1 (per-channel)"
+                f"pass --group-size {choices}, which divide every layer of this model"
             )
+    return options
 
 
 # ---- statistics -----------------------------------------------------------------------------------
@@ -373,7 +394,7 @@ def quantize_model(
     device = torch.device(options.device)
     model = build_model(config, device, torch.float32, materialize=False)  # all on meta: nothing allocated
     plans, _, _ = plan_checkpoint(model, ckpt)  # validates the whole checkpoint from its headers
-    check_shapes(model, options)
+    options = check_shapes(model, options)
 
     # About the packed layers plus the 16-bit rest, and the activations kept for --resume.
     src_bytes = sum(f.stat().st_size for f in ckpt.files)
@@ -547,6 +568,7 @@ def _quantize_into(src: Path, out: Path, options: QuantizeOptions, t0: float, co
         error_by_kind=error_by_kind,
         fallback_experts=fallbacks,
         layers=state["layers"],
+        group_size=options.group_size,
     )
 
 
