@@ -134,3 +134,21 @@ def test_bench_writes_only_what_is_asked_and_checks_it_first(tmp_path):
         assert r.returncode == 1 and "cannot write" in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert "tok/s" not in r.stdout  # refused before the run, not after it
     assert (tmp_path / "afile").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_bench_labels_a_checkpoint_by_its_stored_dtype(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from clover_lite.checkpoint.tiny import write_tiny_checkpoint
+    from clover_lite.cli.main import main
+
+    labels = {}
+    for dtype in ("float16", "bfloat16"):
+        path = write_tiny_checkpoint(tmp_path / dtype, seed=1, dtype=dtype)
+        tensors = {k: v.to(getattr(torch, dtype)) for k, v in load_file(path / "model.safetensors").items()}
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        r = CliRunner().invoke(main, ["bench", str(path), *FAST, "--json", str(tmp_path / f"{dtype}.json")])
+        assert r.exit_code == 0, r.output
+        labels[dtype] = json.loads((tmp_path / f"{dtype}.json").read_text())["quant"]
+    assert labels == {"float16": "fp16", "bfloat16": "bf16"}

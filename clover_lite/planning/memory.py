@@ -11,7 +11,7 @@ from clover_lite.errors import CloverError
 from clover_lite.models.config import ModelConfig
 
 FLOAT_KINDS = {"bf16": 2, "fp16": 2, "fp32": 4}
-_DTYPE_NAMES = {
+DTYPE_NAMES = {
     "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
     "fp32": "fp32", "float32": "fp32", "float": "fp32",
 }
@@ -59,8 +59,8 @@ def parse_quant(quant: str | dict | QuantScheme | None) -> QuantScheme:
         return QuantScheme("int4", group_size=int(quant.get("group_size", 128)),
                            lm_head=bool(quant.get("lm_head", False)))
     q = str(quant).lower().strip()
-    if q in _DTYPE_NAMES:
-        return QuantScheme(_DTYPE_NAMES[q])
+    if q in DTYPE_NAMES:
+        return QuantScheme(DTYPE_NAMES[q])
     if q in ("int4", "gptq", "w4a16"):
         return QuantScheme("int4")
     if q.startswith("int4-g") and q[6:].lstrip("-").isdigit():
@@ -77,9 +77,9 @@ def dtype_name(dtype: str | torch.dtype | None, scheme: QuantScheme) -> str:
         if dtype not in _TORCH_DTYPES:
             raise CloverError(f"dtype {dtype} is not supported (bf16, fp16, fp32)")
         return _TORCH_DTYPES[dtype]
-    if str(dtype).lower() not in _DTYPE_NAMES:
+    if str(dtype).lower() not in DTYPE_NAMES:
         raise CloverError(f"unknown dtype '{dtype}'; use bf16, fp16 or fp32")
-    return _DTYPE_NAMES[str(dtype).lower()]
+    return DTYPE_NAMES[str(dtype).lower()]
 
 
 # ---- weights -----------------------------------------------------------------------------------

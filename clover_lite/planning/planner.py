@@ -33,6 +33,7 @@ from clover_lite.errors import CloverError
 from clover_lite.models.config import ModelConfig, config_from_dict, load_config
 from clover_lite.planning.devices import CUDA_CONTEXT_BYTES, KNOWN_GPUS, Target, fmt_bytes, resolve_target
 from clover_lite.planning.memory import (
+    DTYPE_NAMES,
     FLOAT_KINDS,
     WORKSPACE_FORMULA,
     QuantScheme,
@@ -234,7 +235,9 @@ def _config_of(config: ModelConfig | dict | str | os.PathLike) -> tuple[ModelCon
     from clover_lite.checkpoint.load import read_quant_config
 
     qc = read_quant_config(p) if p.is_dir() else None
-    return load_config(p), p.name, qc
+    cfg = load_config(p)
+    # A 16-bit checkpoint's scheme is the dtype its config.json declares (fp16 stays fp16, not bf16).
+    return cfg, p.name, qc if qc is not None else DTYPE_NAMES.get(str(cfg.torch_dtype or "").replace("torch.", ""))
 
 
 def plan(
