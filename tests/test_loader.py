@@ -261,12 +261,12 @@ def test_config_errors(ckpt):
 def test_text_config_and_defaults():
     from clover_lite.models import config_from_dict
 
-    text = {"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 8, "num_attention_heads": 2,
+    text = {"vocab_size": 10, "hidden_size": 16, "num_hidden_layers": 8, "num_attention_heads": 2,
             "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 4, "linear_num_key_heads": 1,
             "linear_num_value_heads": 2, "linear_key_head_dim": 4, "linear_value_head_dim": 4}
     c = config_from_dict({"model_type": "qwen3_5_moe", "text_config": text, "tie_word_embeddings": True})
     assert c.layer_types == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + (
         "full_attention",)
-    assert c.tie_word_embeddings and c.num_key_value_heads == 2 and c.head_dim == 4
+    assert c.tie_word_embeddings and c.num_key_value_heads == 2 and c.head_dim == 8
     with pytest.raises(ConfigError, match="text_config"):
         config_from_dict({"model_type": "qwen3_5_moe", **text})

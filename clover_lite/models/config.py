@@ -8,6 +8,7 @@ Supported model types: `qwen3_5_moe` (multimodal wrapper, its `text_config` is u
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -99,25 +100,80 @@ def _require(cfg: dict, key: str, source: str) -> Any:
     return cfg[key]
 
 
-def _as_id_tuple(value: Any) -> tuple[int, ...]:
+# Bounds past every released model, so a corrupt value is refused before it builds a model of 10^9 layers.
+MAX_DIM, MAX_LAYERS, MAX_VOCAB, MAX_POSITIONS = 1 << 18, 4096, 1 << 24, 1 << 31
+
+
+def _int(cfg: dict, key: str, source: str, default: Any = None, lo: int = 1, hi: int = MAX_DIM) -> int:
+    """cfg[key] as an int in [lo, hi] (integral floats such as 64.0 pass); `default` when absent or null."""
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            _require(cfg, key, source)
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{source}: '{key}' must be an integer, got {json.dumps(value)[:60]}")
+    if not lo <= value <= hi:
+        raise ConfigError(f"{source}: '{key}' is {value}, outside [{lo}, {hi}]; the file may be corrupt")
+    return value
+
+
+def _float(cfg: dict, key: str, source: str, default: float, lo: float, hi: float) -> float:
+    value = cfg.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{source}: '{key}' must be a number, got {json.dumps(value)[:60]}")
+    if not lo < value <= hi:
+        raise ConfigError(f"{source}: '{key}' is {value}, outside ({lo}, {hi}]")
+    return float(value)
+
+
+def _bool(cfg: dict, key: str, source: str, default: bool) -> bool:
+    value = cfg.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}: '{key}' must be true or false, got {json.dumps(value)[:60]}")
+    return value
+
+
+def _token_ids(cfg: dict, key: str, source: str, vocab: int) -> tuple[int, ...]:
+    """A token id or a list of them, each inside the vocabulary; () when absent."""
+    value = cfg.get(key)
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    values = value if isinstance(value, list) else [value]
+    return tuple(_int({key: v}, key, source, lo=0, hi=vocab - 1) for v in values)
+
+
+def _one_id(cfg: dict, key: str, source: str, vocab: int, strict: bool = True) -> int | None:
+    """One token id inside the vocabulary. Not `strict` (pad, bos): an id outside it, such as the -1 that
+    older configs write for "none", reads as no id."""
+    value = cfg.get(key)
+    if isinstance(value, list):
+        raise ConfigError(f"{source}: '{key}' must be one token id, got a list")
+    if not strict and isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < vocab:
+        return None
+    ids = _token_ids(cfg, key, source, vocab)
+    return ids[0] if ids else None
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    """Build a ModelConfig from the parsed config.json dictionary; `source` names it in errors."""
+    """Build a ModelConfig from the parsed config.json dictionary; `source` names it in errors. Every value
+    is checked for its type and range: a config.json is untrusted input."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a JSON object at the top level")
     model_type = raw.get("model_type")
     if model_type is None:
         raise ConfigError(f"{source}: no 'model_type' key; clover-lite reads {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
-            f"{source}: unknown model_type '{model_type}'. clover-lite runs {', '.join(SUPPORTED_MODEL_TYPES)}; "
-            "convert the checkpoint to one of these or open an issue for the architecture."
+            f"{source}: unknown model_type '{str(model_type)[:60]}'. clover-lite runs "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}; convert the checkpoint to one of these or open an issue for "
+            "the architecture."
         )
 
     outer = raw
@@ -132,81 +188,96 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelC
 
     for key in REQUIRED_KEYS:
         _require(cfg, key, source)
-    n_layers = int(cfg["num_hidden_layers"])
-    hidden = int(cfg["hidden_size"])
-    n_heads = int(cfg["num_attention_heads"])
+    vocab = _int(cfg, "vocab_size", source, hi=MAX_VOCAB)
+    n_layers = _int(cfg, "num_hidden_layers", source, hi=MAX_LAYERS)
+    hidden = _int(cfg, "hidden_size", source)
+    n_heads = _int(cfg, "num_attention_heads", source, hi=4096)
 
     layer_types = cfg.get("layer_types")
     if layer_types is None:
-        interval = int(cfg.get("full_attention_interval", 4))
+        interval = _int(cfg, "full_attention_interval", source, default=4, hi=MAX_LAYERS)
         layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
+    if not isinstance(layer_types, list):
+        raise ConfigError(f"{source}: 'layer_types' must be a list of layer type names")
+    bad = sorted({str(t) for t in layer_types if t not in ("linear_attention", "full_attention")})
+    if bad:
+        raise ConfigError(f"{source}: unknown layer type(s) {bad}; expected 'linear_attention' or 'full_attention'")
     layer_types = tuple(layer_types)
     if len(layer_types) != n_layers:
         raise ConfigError(
             f"{source}: 'layer_types' has {len(layer_types)} entries but num_hidden_layers is {n_layers}"
         )
-    bad = sorted({t for t in layer_types if t not in ("linear_attention", "full_attention")})
-    if bad:
-        raise ConfigError(f"{source}: unknown layer type(s) {bad}; expected 'linear_attention' or 'full_attention'")
 
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10_000_000.0)))
-    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{source}: 'rope_parameters' must be a JSON object")
+    rope_src = {**cfg, **rope}  # rope keys may sit at either level; rope_parameters wins
+    rope_theta = _float(rope_src, "rope_theta", source, 10_000_000.0, 0.0, 1e12)
+    partial = _float(rope_src, "partial_rotary_factor", source, 0.25, 0.0, 1.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "mrope"):
-        raise ConfigError(f"{source}: rope_type '{rope_type}' is not supported (only default / text-only mRoPE)")
+        raise ConfigError(f"{source}: rope_type {json.dumps(rope_type)[:60]} is not supported (only default / "
+                          "text-only mRoPE)")
 
-    num_experts = int(cfg.get("num_experts", 0) or 0)
+    num_experts = _int(cfg, "num_experts", source, default=0, lo=0, hi=1 << 16)
     if model_type == "qwen3_next":
-        mlp_only = set(cfg.get("mlp_only_layers") or [])
-        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        mlp_only = cfg.get("mlp_only_layers") or []
+        if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
+            raise ConfigError(f"{source}: 'mlp_only_layers' must be a list of layer indices")
+        step = _int(cfg, "decoder_sparse_step", source, default=1, hi=MAX_LAYERS)
         mlp_types = tuple(
-            "moe" if (i not in mlp_only and num_experts > 0 and (i + 1) % step == 0) else "dense"
+            "moe" if (i not in set(mlp_only) and num_experts > 0 and (i + 1) % step == 0) else "dense"
             for i in range(n_layers)
         )
     else:
         mlp_types = tuple("moe" if num_experts > 0 else "dense" for _ in range(n_layers))
-    if "moe" in mlp_types:
-        for key in ("num_experts_per_tok", "moe_intermediate_size"):
-            _require(cfg, key, source)
-        if int(cfg["num_experts_per_tok"]) > num_experts:
-            raise ConfigError(
-                f"{source}: num_experts_per_tok ({cfg['num_experts_per_tok']}) exceeds num_experts ({num_experts})"
-            )
-    if "dense" in mlp_types:
-        _require(cfg, "intermediate_size", source)
+    moe = "moe" in mlp_types
+    top_k = _int(cfg, "num_experts_per_tok", source, default=None if moe else 0, lo=int(moe), hi=1 << 16)
+    moe_inter = _int(cfg, "moe_intermediate_size", source, default=None if moe else 0, lo=int(moe), hi=1 << 20)
+    if top_k > num_experts and moe:
+        raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) exceeds num_experts ({num_experts})")
+    dense = "dense" in mlp_types
+    inter = _int(cfg, "intermediate_size", source, default=None if dense else 0, lo=int(dense), hi=1 << 20)
+    shared_inter = _int(cfg, "shared_expert_intermediate_size", source, default=0, lo=0, hi=1 << 20)
 
-    if "linear_attention" in layer_types:
-        for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"):
-            _require(cfg, key, source)
-        if int(cfg["linear_num_value_heads"]) % int(cfg["linear_num_key_heads"]):
-            raise ConfigError(f"{source}: linear_num_value_heads must be a multiple of linear_num_key_heads")
+    gdn = "linear_attention" in layer_types
+    lin = {key: _int(cfg, key, source, default=None if gdn else fallback, hi=4096)
+           for key, fallback in (("linear_num_key_heads", 16), ("linear_num_value_heads", 32),
+                                 ("linear_key_head_dim", 128), ("linear_value_head_dim", 128))}
+    if lin["linear_num_value_heads"] % lin["linear_num_key_heads"]:
+        raise ConfigError(f"{source}: linear_num_value_heads must be a multiple of linear_num_key_heads")
+    conv = _int(cfg, "linear_conv_kernel_dim", source, default=4, hi=64)
 
-    n_kv = int(cfg.get("num_key_value_heads") or n_heads)
+    n_kv = _int(cfg, "num_key_value_heads", source, default=n_heads, hi=4096)
     if n_heads % n_kv:
         raise ConfigError(
             f"{source}: num_attention_heads ({n_heads}) is not a multiple of num_key_value_heads ({n_kv})"
         )
-    head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+    head_dim = _int(cfg, "head_dim", source, default=max(hidden // n_heads, 1), hi=4096)
+    if "full_attention" in layer_types and (int(head_dim * partial) < 2 or int(head_dim * partial) % 2):
+        raise ConfigError(f"{source}: head_dim {head_dim} x partial_rotary_factor {partial} gives "
+                          f"{int(head_dim * partial)} rotary dims; RoPE needs an even number >= 2")
 
     hidden_act = cfg.get("hidden_act", "silu")
     if hidden_act not in ("silu", "swish"):
-        raise ConfigError(f"{source}: hidden_act '{hidden_act}' is not supported (only silu)")
+        raise ConfigError(f"{source}: hidden_act {json.dumps(hidden_act)[:60]} is not supported (only silu)")
 
-    eos = _as_id_tuple(cfg.get("eos_token_id"))
-    block_size = cfg.get("block_size", cfg.get("block_length"))
-    if block_size is not None and int(block_size) < 1:
-        raise ConfigError(f"{source}: block_size must be >= 1, got {block_size}")
+    eos = _token_ids(cfg, "eos_token_id", source, vocab)
+    block_key = "block_size" if cfg.get("block_size") is not None else "block_length"
+    block_size = _int(cfg, block_key, source, default=0, lo=1, hi=1 << 16) or None
     if model_type == "clover_moe":
         _require(cfg, "block_size", source)
         _require(cfg, "mask_token_id", source)
     mask_id = cfg.get("mask_token_id")
-    if mask_id is not None and not 0 <= int(mask_id) < int(cfg["vocab_size"]):
-        raise ConfigError(f"{source}: mask_token_id {mask_id} is outside the vocabulary (size {cfg['vocab_size']})")
+    if mask_id is not None and isinstance(mask_id, int) and not 0 <= mask_id < vocab:
+        raise ConfigError(f"{source}: mask_token_id {mask_id} is outside the vocabulary (size {vocab})")
+    dtype = cfg.get("dtype", cfg.get("torch_dtype"))
+    if dtype is not None and not isinstance(dtype, str):
+        raise ConfigError(f"{source}: 'dtype' must be a string such as \"bfloat16\", got {json.dumps(dtype)[:60]}")
 
     return ModelConfig(
         model_type=model_type,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=vocab,
         hidden_size=hidden,
         num_hidden_layers=n_layers,
         layer_types=layer_types,
@@ -215,29 +286,27 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelC
         head_dim=head_dim,
         rope_theta=rope_theta,
         partial_rotary_factor=partial,
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
-        linear_num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
-        linear_num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
-        linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
-        linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
-        linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
+        attention_bias=_bool(cfg, "attention_bias", source, False),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", source, default=32768, hi=MAX_POSITIONS),
+        **lin,
+        linear_conv_kernel_dim=conv,
         num_experts=num_experts,
-        num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0) or 0),
-        moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0),
-        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-        intermediate_size=int(cfg.get("intermediate_size", 0) or 0),
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=moe_inter,
+        shared_expert_intermediate_size=shared_inter,
+        norm_topk_prob=_bool(cfg, "norm_topk_prob", source, True),
+        intermediate_size=inter,
         mlp_types=mlp_types,
         hidden_act="silu",
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(outer.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+        rms_norm_eps=_float(cfg, "rms_norm_eps", source, 1e-6, 0.0, 1.0),
+        tie_word_embeddings=_bool(outer if "tie_word_embeddings" in outer else cfg, "tie_word_embeddings", source,
+                                  False),
         eos_token_ids=eos,
-        pad_token_id=cfg.get("pad_token_id"),
-        bos_token_id=cfg.get("bos_token_id"),
-        mask_token_id=None if mask_id is None else int(mask_id),
-        block_size=None if block_size is None else int(block_size),
-        torch_dtype=cfg.get("dtype", cfg.get("torch_dtype")),
+        pad_token_id=_one_id(cfg, "pad_token_id", source, vocab, strict=False),
+        bos_token_id=_one_id(cfg, "bos_token_id", source, vocab, strict=False),
+        mask_token_id=_one_id(cfg, "mask_token_id", source, vocab),
+        block_size=block_size,
+        torch_dtype=dtype,
         extra={"raw": raw},
     )
 
