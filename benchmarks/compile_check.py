@@ -29,7 +29,6 @@ from clover_lite.kernels import attention as attn_k  # noqa: E402
 from clover_lite.kernels import configs, mma_layout  # noqa: E402
 from clover_lite.kernels import gdn as gdn_k  # noqa: E402
 from clover_lite.kernels import gdn_prep as prep_k  # noqa: E402
-from clover_lite.kernels import moe_gemv as gemv_k  # noqa: E402
 from clover_lite.kernels import moe_route as route_k  # noqa: E402
 from clover_lite.kernels import norm as norm_k  # noqa: E402
 from clover_lite.kernels import sampling as samp_k  # noqa: E402
@@ -141,7 +140,7 @@ def ptx_stats(kernel) -> str:
 
 def int4_pointers(act: str, out: str) -> dict[str, str]:
     p = {n: "*i32" for n in ("rows_ptr", "tile_expert_ptr", "row_expert_ptr", "qw_ptr", "qz_ptr", "gi_ptr",
-                             "qw2_ptr", "qz2_ptr", "gi2_ptr", "rank_ptr", "count_ptr", "tile_done_ptr")}
+                             "qw2_ptr", "qz2_ptr", "gi2_ptr", "tile_done_ptr")}
     p.update(x_ptr=act, out_ptr=out, row_scale_ptr="*fp32", sc_ptr="*fp16", sc2_ptr="*fp16", sum_ptr=act)
     return p
 
@@ -161,16 +160,13 @@ def cases(arch: str, quick: bool):
                 g = configs.for_gathered_groups(c, arch, fused) if gidx else c  # as the launcher adjusts it
                 consts = dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_GIDX=gidx, DOT_IEEE=False,
                               PLANES=not gidx and g.block_k >= 128 and g.planes, PARTIAL=g.split_k > 1 and not fused,
-                              PAIRS=False, EXPERT_RUNS=False, MMA_ORDER=0, MMA_SWAP=False,
+                              MMA_ORDER=0, MMA_SWAP=False,
                               SUM_IN_KERNEL=g.split_k > 1 and not fused and g.sum_in_kernel, **flags)
                 # (as the launcher sets it: the MoE's gate/up has no split; split partials summed by the last split)
                 out = "*fp32" if g.split_k > 1 and not fused else act
                 yield (f"w4a16 gemm M<={m} {label}{' g_idx' if gidx else ''}", w4_k._gemm_kernel,
                        int4_pointers(act, out), consts, g.num_warps, g.num_stages,
                        g.smem_bytes(gathered=gidx, fused=fused))
-                if consts["PLANES"] and m > 1:  # the sweep's candidate: pairs of planes, same tile
-                    yield (f"w4a16 gemm M<={m} {label} pairs", w4_k._gemm_kernel, int4_pointers(act, out),
-                           dict(consts, PAIRS=True), g.num_warps, g.num_stages, g.smem_bytes(fused=fused))
                 if not gidx:  # the modules' weights, repacked in the MMA order this Triton's dot takes
                     # (operands as they are and swapped, W^T x^T: configs.mma_swap picks one per arch and M;
                     # fp32 activations too at M <= 16 dense, IEEE dots, the tiny models')
@@ -182,26 +178,6 @@ def cases(arch: str, quick: bool):
                                dict(consts, BLOCK_K=mg.block_k, PLANES=False, DOT_IEEE=fp32,
                                     MMA_ORDER=mma_layout.kernel_order(), MMA_SWAP=swap),
                                mg.num_warps, mg.num_stages, mg.smem_bytes(act_bytes=4 if fp32 else 2, fused=fused))
-    # The MoE's expert runs (one program per pair, runs of up to 16 pairs of an expert): the table's entry, or
-    # the M <= 16 GEMM tile where there is none, with planes and with pairs of planes.
-    g = configs.MOE_RUNS_TABLE.get(arch, configs.gemm_config(arch, 16))
-    for label, fused, scale in ((" gate/up", True, False), (" down", False, True)):
-        for pairs in (False, True):
-            consts = dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_ROWS=fused, HAS_EXPERTS=True,
-                          HAS_GIDX=False, FUSE_GATE_UP=fused, HAS_ROW_SCALE=scale, DOT_IEEE=False,
-                          PLANES=g.block_k >= 128 and g.planes, PARTIAL=False, PAIRS=pairs, EXPERT_RUNS=True,
-                          MMA_ORDER=0, MMA_SWAP=False, SUM_IN_KERNEL=False)
-            if pairs and not consts["PLANES"]:
-                continue
-            yield (f"moe runs{label}{' pairs' if pairs else ''}", w4_k._gemm_kernel, int4_pointers(act, act), consts,
-                   g.num_warps, g.num_stages, g.smem_bytes(fused=fused))
-            if not pairs:
-                mg = configs.for_mma_order(g, arch)
-                for swap in (False, True):
-                    yield (f"moe runs{label} mma{' swap' if swap else ''}", w4_k._gemm_kernel, int4_pointers(act, act),
-                           dict(consts, BLOCK_K=mg.block_k, PLANES=False, MMA_ORDER=mma_layout.kernel_order(),
-                                MMA_SWAP=swap),
-                           mg.num_warps, mg.num_stages, mg.smem_bytes(fused=fused))
     g = configs.GEMV_TABLE[arch]
     # Dense M = 1 (K split, fp32 partials), the MoE's fused gate/up and its down projection (routing weight).
     for label, fused, partial in (("", False, True), (" moe gate/up", True, False), (" moe down", False, False)):
@@ -212,15 +188,6 @@ def cases(arch: str, quick: bool):
             yield (f"w4a16 gemv{label}{' mma' if order else ''}", w4_k._gemv_kernel,
                    int4_pointers(act, "*fp32" if partial else act), dict(consts, MMA_ORDER=order), g.num_warps,
                    g.num_stages, g.smem_bytes())
-    # The MoE GEMV with two pairs of an expert per program (moe_gemv.py), at the MoE table's tile.
-    g = configs.gemv_config(arch, moe=True)
-    for label, fused in ((" gate/up", True), (" down", False)):
-        consts = dict(BLOCK_N=g.block_n, BLOCK_K=g.block_k, HAS_ROWS=fused, FUSE_GATE_UP=fused,
-                      HAS_ROW_SCALE=not fused, PARTIAL=not fused, EVEN_K=True, MMA_ORDER=mma_layout.kernel_order())
-        ptrs = int4_pointers(act, "*fp32" if not fused else act)
-        ptrs.update(expert_ptr="*i32", rank_ptr="*i32", count_ptr="*i32")
-        yield (f"moe grouped gemv{label}", gemv_k._grouped_gemv_kernel, ptrs, consts, g.num_warps, g.num_stages,
-               g.smem_bytes())
     # The MoE's routing glue (moe_route.py), at Clover's 256 experts, top-8, 2048 columns.
     yield ("moe route top-k", route_k._topk_softmax_kernel, {"logits_ptr": act, "w_ptr": act, "ids_ptr": "*i64"},
            dict(K=8, NORMALIZE=True, BLOCK_T=1, BLOCK_E=256, BLOCK_K=8), 1, 1, None)

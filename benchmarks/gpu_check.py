@@ -90,12 +90,6 @@ def check_w4a16(device, gen, smoke) -> str:
                 worst = max(worst, err)
                 if not err < (1e-4 if dt == torch.float32 else 2e-2):
                     raise AssertionError(f"w4a16 K={K} N={N} M={m} {dt} act_order={act_order}: rel err {err}")
-                if not act_order and m > 4:  # the sweep's pairs-of-planes candidate at this M's tile
-                    cfg = replace(fill_split(gemm_config_for(device, m), m, N, device), planes=True, pairs=True)
-                    err = rel_err(gemm(x, Int4Weights(**w), config=cfg), ref)
-                    worst = max(worst, err)
-                    if not err < (1e-4 if dt == torch.float32 else 2e-2):
-                        raise AssertionError(f"w4a16 pairs K={K} N={N} M={m} {dt}: rel err {err}")
                 # The modules' weights: rearranged in the MMA order (this Triton's first, then the other).
                 checked = eligible and (not smoke or m in (3, 33))
                 for order in mma_orders if checked else ():
@@ -147,63 +141,20 @@ def check_moe(device, gen, smoke) -> str:
         logits = torch.randn(T, E, generator=gen).to(device)
         w, ids = torch.topk(torch.softmax(logits, -1), k)
         ref = dispatch(x.to(dt).float(), w.to(dt).float(), ids, E, expert)
-        # The table's MoE path, then the other paths of a step's MoE: two pairs of an expert per GEMV program
-        # (moe_gemv.py), and the expert runs (w4a16.gemm with runs) with planes and with pairs of planes.
-        for path in (None, "2 pairs", "runs", "runs, pairs") if T <= 64 else (None,):
-            if path == "runs, pairs" and dt == torch.float32:
-                continue  # (pairs are for 16-bit activations; fp32 takes IEEE planes)
-            with _moe_path(device, path):
-                out = fused_moe(x.to(dt), w.to(dt), ids, *(Int4Weights(**ws[p]) for p in ("gate", "up", "down")))
-            if path != "runs, pairs" and mma:  # the same path with the experts in the MMA order, as modules hold them
-                with _moe_path(device, path):
-                    out_mma = fused_moe(x.to(dt), w.to(dt), ids, *mma)
-                err = rel_err(out_mma, ref)
-                key = (dt, f"{path or 'table'}, MMA order")
-                worst[key] = max(worst.get(key, 0.0), err)
-                if not err < (1e-3 if dt == torch.float32 else 2e-2):
-                    raise AssertionError(f"fused MoE T={T} {dt} ({path or 'table'}, MMA order): rel err {err}")
-            err = rel_err(out, ref)
-            key = (dt, path)
+        out = fused_moe(x.to(dt), w.to(dt), ids, *(Int4Weights(**ws[p]) for p in ("gate", "up", "down")))
+        if mma:  # the same with the experts in the MMA order, as modules hold them
+            err = rel_err(fused_moe(x.to(dt), w.to(dt), ids, *mma), ref)
+            key = (dt, "MMA order")
             worst[key] = max(worst.get(key, 0.0), err)
             if not err < (1e-3 if dt == torch.float32 else 2e-2):
-                raise AssertionError(f"fused MoE T={T} {dt}{f' ({path})' if path else ''}: rel err {err}")
+                raise AssertionError(f"fused MoE T={T} {dt} (MMA order): rel err {err}")
+        err = rel_err(out, ref)
+        key = (dt, None)
+        worst[key] = max(worst.get(key, 0.0), err)
+        if not err < (1e-3 if dt == torch.float32 else 2e-2):
+            raise AssertionError(f"fused MoE T={T} {dt}: rel err {err}")
     return "max rel err " + ", ".join(f"{v:.1e} ({str(d).removeprefix('torch.')}{f', {p}' if p else ''})"
                                       for (d, p), v in worst.items())
-
-
-class _moe_path:
-    """Within: the step's MoE on `path` ("2 pairs": the GEMV with two pairs of an expert per program; "runs",
-    "runs, pairs": expert runs with planes or pairs of planes; None: the tables as they stand)."""
-
-    def __init__(self, device, path):
-        from clover_lite.kernels import configs
-
-        self.configs, self.path = configs, path
-        self.key = None if device.type == "cpu" else configs.arch_of(torch.cuda.get_device_capability(device))
-        self.saved = (dict(configs.MOE_GEMV_TABLE), dict(configs.MOE_RUNS_TABLE), configs.INTERPRET_MOE_GEMV,
-                      configs.INTERPRET_MOE_RUNS)
-
-    def __enter__(self):
-        c, key = self.configs, self.key
-        if self.path == "2 pairs":  # 64 x 128 at 4 warps: a tile that compiles without spilling (compile_check)
-            c.MOE_RUNS_TABLE.pop(key, None)
-            c.INTERPRET_MOE_RUNS = None
-            if key is None:
-                c.INTERPRET_MOE_GEMV = c.GemvConfig(128, 64, 4, 1, split_k=2, rows=2)
-            else:
-                c.MOE_GEMV_TABLE[key] = c.GemvConfig(64, 128, 4, 2, split_k=16, rows=2)
-        elif self.path is not None:  # on the CPU (--smoke: groups of 32) a K tile of 32, no planes
-            if key is None:
-                c.INTERPRET_MOE_RUNS = c.GemmConfig(16, 64, 32, 2, 4, 1)
-            else:
-                c.MOE_RUNS_TABLE[key] = c.GemmConfig(16, 128, 128, 4, 4, 3, pairs=self.path == "runs, pairs")
-
-    def __exit__(self, *exc):
-        c = self.configs
-        for table, before in zip((c.MOE_GEMV_TABLE, c.MOE_RUNS_TABLE), self.saved[:2], strict=True):
-            table.clear()
-            table.update(before)
-        c.INTERPRET_MOE_GEMV, c.INTERPRET_MOE_RUNS = self.saved[2:]
 
 
 def check_moe_route(device, gen, smoke) -> str:

@@ -71,10 +71,10 @@ def kernel_seconds(calls: list, device: torch.device, reps: int) -> float:
 
 
 def gemm_candidates(m: int, smoke: bool, mma: bool = False) -> list[tuple[configs.GemmConfig, bool]]:
-    """(config, planes) pairs at stages 3; split_k is the most the fill rule may use. With planes, also two
-    nibbles per AND-OR (GemmConfig.pairs). `mma`: weights in the MMA order, whose K tile is always 128 rows
-    (configs.for_mma_order) and which have neither planes nor pairs: BLOCK_N, warps, split, and the operands
-    as they are or swapped (GemmConfig.swap: the table's choice is configs.mma_swap's rule)."""
+    """(config, planes) pairs at stages 3; split_k is the most the fill rule may use. `mma`: weights in the
+    MMA order, whose K tile is always 128 rows (configs.for_mma_order) and which have no planes: BLOCK_N,
+    warps, split, and the operands as they are or swapped (GemmConfig.swap: the table's choice is
+    configs.mma_swap's rule)."""
     if mma:
         if smoke:
             return [(configs.GemmConfig(16, bn, 128, sk, 4, 1, swap=swap), False)
@@ -89,8 +89,6 @@ def gemm_candidates(m: int, smoke: bool, mma: bool = False) -> list[tuple[config
             for warps in (4, 8):
                 for split in (1, 2, 4):
                     out.append((configs.GemmConfig(m, bn, bk, split, warps, 3), planes))
-                    if planes:
-                        out.append((configs.GemmConfig(m, bn, bk, split, warps, 3, pairs=True), planes))
     return out
 
 
@@ -183,7 +181,7 @@ def time_lm_head(m, entries, device, dtype, reps, deadline, mma: bool = False) -
 
 
 def sweep_moe(m, device, dtype, reps, deadline, smoke, arch, mma: bool = False) -> dict:
-    """The fused MoE on a block of m tokens through the captured step's path, per GEMV or expert-runs config.
+    """The fused MoE on a block of m tokens through the captured step's path, per GEMV config.
     `mma`: experts in the MMA order, as the modules hold them on a GPU."""
     from clover_lite.kernels.moe import fused_moe
 
@@ -201,24 +199,14 @@ def sweep_moe(m, device, dtype, reps, deadline, smoke, arch, mma: bool = False) 
         routings.append((w.to(dtype), ids))
     floor = touched * per_expert / kb.copy_bandwidth(device)
     key = arch or "sm_90"
-    base = configs.MOE_RUNS_TABLE.get(key) or configs.gemv_config(key, moe=True)
+    base = configs.gemv_config(key, moe=True)
     if smoke:
-        cands = [configs.GemvConfig(32, 32, 4, 1, 16), configs.GemvConfig(64, 32, 4, 1, 16),
-                 configs.GemvConfig(32, 32, 4, 1, 16, rows=2), configs.GemmConfig(16, 32, 32, 2, 4, 1)]
+        cands = [configs.GemvConfig(32, 32, 4, 1, 16), configs.GemvConfig(64, 32, 4, 1, 16)]
     else:
         cands = [configs.GemvConfig(bn, bk, w, 2, 16) for bn in (64, 128, 256) for bk in (64, 128) for w in (2, 4, 8)]
-        # Two pairs of an expert per program (kernels/moe_gemv.py): the tiles that compiled for sm_90 without
-        # spilling (benchmarks/compile_check.py; 64 x 128 at 2 warps spilled 880 bytes).
-        cands += [configs.GemvConfig(bn, bk, w, 2, 16, rows=2)
-                  for bn, bk, w in ((32, 128, 2), (64, 64, 2), (64, 128, 4), (128, 64, 4), (128, 128, 8))]
-        # Expert runs (w4a16.gemm with runs: up to 16 pairs of an expert in one tensor-core tile): planes, pairs
-        # of planes, and the unpacked tile; split-K up to 1 or 4 (trimmed to fill the GPU).
-        cands += [configs.GemmConfig(16, bn, 128, sk, 4, 3, pairs=pairs)
-                  for bn in (64, 128) for sk in (1, 4) for pairs in (False, True)]
-        cands += [configs.GemmConfig(16, bn, 64, 4, 4, 3, planes=False) for bn in (64, 128)]
-    if base is not None and base not in cands:
+    if base not in cands:
         cands.insert(0, base)
-    saved = dict(configs.MOE_GEMV_TABLE), dict(configs.MOE_RUNS_TABLE)
+    saved = dict(configs.MOE_GEMV_TABLE)
     results = []
 
     def moe(w, ids):
@@ -227,11 +215,7 @@ def sweep_moe(m, device, dtype, reps, deadline, smoke, arch, mma: bool = False) 
     ref = moe(*routings[0]).float()  # the table's entry (gpu_check checks it against the dequantized experts)
 
     def run(cfg):
-        if isinstance(cfg, configs.GemmConfig):  # an expert-runs tile: the MoE takes runs where the table has one
-            configs.MOE_RUNS_TABLE[key] = cfg
-        else:
-            configs.MOE_RUNS_TABLE.pop(key, None)
-            configs.MOE_GEMV_TABLE[key] = cfg
+        configs.MOE_GEMV_TABLE[key] = cfg
         try:
             err = ((moe(*routings[0]).float() - ref).abs().max() / ref.abs().max()).item()
             if not err < (1e-3 if dtype == torch.float32 else 2e-2):
@@ -243,12 +227,11 @@ def sweep_moe(m, device, dtype, reps, deadline, smoke, arch, mma: bool = False) 
             print(f"  MoE failed: {cfg}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
             return None
         finally:
-            for table, before in zip((configs.MOE_GEMV_TABLE, configs.MOE_RUNS_TABLE), saved, strict=True):
-                table.clear()
-                table.update(before)
+            configs.MOE_GEMV_TABLE.clear()
+            configs.MOE_GEMV_TABLE.update(saved)
 
     def entry(cfg, t):
-        return {"kind": "runs" if isinstance(cfg, configs.GemmConfig) else "gemv", "config": asdict(cfg), "s": t}
+        return {"config": asdict(cfg), "s": t}
 
     tried = []
     for cfg in cands:
@@ -273,8 +256,7 @@ def sweep_moe(m, device, dtype, reps, deadline, smoke, arch, mma: bool = False) 
                     results.append(entry(cfg, t))
         results.sort(key=lambda r: r["s"])
     table_s = next((t for c, t in tried if c == base), None)
-    return {"M": m, "experts_touched": touched, "floor_s": floor, "table": base and asdict(base),
-            "table_kind": "runs" if isinstance(base, configs.GemmConfig) else "gemv", "table_s": table_s,
+    return {"M": m, "experts_touched": touched, "floor_s": floor, "table": asdict(base), "table_s": table_s,
             "results": results}
 
 
@@ -284,24 +266,11 @@ def print_moe(moe: dict) -> None:
           f"{(moe['table_s'] or float('nan')) * 1e6:.1f} us", flush=True)
     for x in moe["results"][:8]:
         print(f"  {fmt_moe(x)}  {x['s'] * 1e6:7.1f} us")
-    # The grouped kernel and the expert runs against the ungrouped GEMV.
-    for label, keep in (("one pair a program", lambda x: x["kind"] == "gemv" and x["config"]["rows"] == 1),
-                        ("two pairs a program", lambda x: x["kind"] == "gemv" and x["config"]["rows"] == 2),
-                        ("expert runs", lambda x: x["kind"] == "runs")):
-        best = [x for x in moe["results"] if keep(x)]
-        print(f"  best with {label}: {best[0]['s'] * 1e6:.1f} us ({fmt_moe(best[0])})" if best
-              else f"  {label}: none ran")
 
 
 def fmt_moe(x: dict) -> str:
     c = x["config"]
-    if x["kind"] == "runs":
-        planes = c["planes"] and c["block_k"] >= 128  # (as the launcher decides, for weights without a g_idx)
-        kind = "pairs of planes" if c["pairs"] and planes else "planes" if planes else "tile"
-        return (f"runs BN {c['block_n']:>3} BK {c['block_k']:>3} split<={c['split_k']} w{c['num_warps']} "
-                f"st{c['num_stages']} {kind}")
-    return (f"GEMV BN {c['block_n']:>3} BK {c['block_k']:>3} w{c['num_warps']} st{c['num_stages']} "
-            f"{'2 pairs' if c['rows'] == 2 else '1 pair '}")
+    return f"GEMV BN {c['block_n']:>3} BK {c['block_k']:>3} w{c['num_warps']} st{c['num_stages']}"
 
 
 def fmt_gemm(c: dict, planes: bool) -> str:
@@ -314,8 +283,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", type=int, nargs="+", default=[32, 16, 64], help="M buckets, in the order swept")
     ap.add_argument("--no-moe", action="store_true")
-    ap.add_argument("--moe-only", action="store_true", help="only the MoE GEMV candidates (one and two pairs a "
-                    "program), at a 32-token block")
+    ap.add_argument("--moe-only", action="store_true", help="only the MoE GEMV candidates, at a 32-token block")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--time-limit", type=float, default=300, help="seconds; what is done by then is reported")
     ap.add_argument("--smoke", action="store_true")

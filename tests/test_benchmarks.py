@@ -334,9 +334,8 @@ def test_kernels_compile_for_a_gpu_target():
     cmd = [sys.executable, str(BENCH / "compile_check.py"), "--archs", "sm_86", "--quick", "--as-run", "--only", *only]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    # M <= 16 gate/up: planes, pairs of planes, act-order, the MMA order (operands as they are and swapped); the
-    # GEMV in both orders
-    assert r.stdout.count("ok   sm_86") == 10 and "gemm M<=16 moe gate/up mma swap:" in r.stdout
+    # M <= 16 gate/up: planes, act-order, the MMA order (operands as they are and swapped); the GEMV in both orders
+    assert r.stdout.count("ok   sm_86") == 9 and "gemm M<=16 moe gate/up mma swap:" in r.stdout
     lines = r.stdout.splitlines()
 
     def loop(ln):

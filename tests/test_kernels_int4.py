@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from clover_lite.kernels import configs, dispatch, moe_gemv, w4a16  # noqa: E402
+from clover_lite.kernels import configs, dispatch, w4a16  # noqa: E402
 from clover_lite.kernels.moe import fused_moe  # noqa: E402
 from clover_lite.kernels.w4a16 import Int4Weights, _biased_planes16, _nibble_planes, gemm, gemv, w4a16_matmul  # noqa: E402
 from clover_lite.models.moe import dispatch as moe_reference  # noqa: E402
@@ -216,47 +216,6 @@ def spy_gemm_launches(monkeypatch, flag: str) -> list:
     return launched
 
 
-@triton.jit
-def _pairs_kernel(w_ptr, out_ptr, DTYPE: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    i, n, r = tl.arange(0, BK // 8), tl.arange(0, BN), tl.arange(0, BK // 4)
-    pairs = w4a16._paired_planes16(tl.load(w_ptr + i[:, None] * BN + n[None, :]), DTYPE, BK, BN)
-    for J in tl.static_range(4):
-        tl.store(out_ptr + (J * (BK // 4) + r[:, None]) * BN + n[None, :], pairs[J].to(tl.int16, bitcast=True))
-
-
-@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, 128), (torch.float16, 1024)])
-def test_paired_planes_are_exact_and_interleaved(dtype, bias):
-    """The pairs-of-planes operand (GemmConfig.pairs) read back as bits: pair J's rows 2i and 2i + 1 are the
-    floats bias + nibble J and bias + nibble J + 4 of word row i, for random words (bf16 included: the bf16
-    GEMM itself only runs on a GPU)."""
-    BK, BN = 64, 16
-    words = torch.randint(-(2**31), 2**31, (BK // 8, BN), generator=GEN, dtype=torch.int64).to(torch.int32)
-    words[0, :2] = torch.tensor([-1, 0], dtype=torch.int32)
-    out = torch.empty(4, BK // 4, BN, dtype=torch.int16)
-    _pairs_kernel[(1,)](words, out, DTYPE=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16, BK=BK, BN=BN)
-    q = torch.stack([(words.long() >> (4 * j)) & 15 for j in range(8)])  # [j, i, n]
-    want = torch.stack([torch.stack([q[J], q[J + 4]], 1).reshape(BK // 4, BN) for J in range(4)]) + bias
-    assert torch.equal(out.view(dtype).double(), want.double())
-
-
-@pytest.mark.parametrize("K,group", [(384, 128), (320, -1)])
-def test_gemm_pairs_of_planes_match_float64(monkeypatch, K, group):
-    """GemmConfig.pairs: the 16-bit GEMM's 4 dots over pairs of planes, ragged M, a ragged last K tile
-    (320 over 128), split-K and the fused SiLU(gate) * up, against float64; the kernel was launched so."""
-    launched = spy_gemm_launches(monkeypatch, "PAIRS")
-    (t, w), (t2, w2) = random_int4(K, 40, group), random_int4(K, 40, group)
-    for M, split in ((5, 1), (21, 2)):
-        cfg = configs.GemmConfig(16, 32, 128, split, 4, 1, True, pairs=True)
-        x = torch.randn(M, K, generator=GEN).half()
-        ref = x.double() @ w.t()
-        torch.testing.assert_close(gemm(x, Int4Weights(**t), config=cfg).double(), ref, atol=2e-2, rtol=2e-3)
-        fused = gemm(x, Int4Weights(**t), Int4Weights(**t2), config=cfg).double()
-        torch.testing.assert_close(fused, torch.nn.functional.silu(ref) * (x.double() @ w2.t()), atol=2e-2, rtol=2e-3)
-    assert launched == [True] * 4
-    gemm(x.float(), Int4Weights(**t), config=cfg)  # fp32: IEEE dots over the 8 planes
-    assert launched[-1] is False
-
-
 @pytest.mark.parametrize("K,group,split", [(96, 32, 3), (72, -1, 2), (128, 64, 1), (256, 128, 8)])
 @pytest.mark.parametrize("variant", ["dense", "dense-actorder", "experts-fused", "experts-scaled"])
 def test_gemv_nibble_planes_and_split_k(K, group, split, variant):
@@ -360,85 +319,11 @@ def test_fused_moe_both_paths_agree():
     torch.testing.assert_close(tiled_path.double(), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("split, E, k, T, variant", [
-    (1, 8, 2, 12, "sym"), (2, 8, 2, 14, "asym"), (2, 6, 3, 9, "sym-v2"), (1, 8, 2, 9, "skew"), (2, 128, 8, 3, "asym"),
-])
-def test_grouped_moe_gemv_matches_reference(monkeypatch, split, E, k, T, variant):
-    """The MoE GEMV with two pairs of one expert per program (moe_gemv.py): experts holding one, two and
-    more pairs (odd counts: the last program has one), split-K partials (gated, and the combine's)
-    (act-order: the test below)."""
-    monkeypatch.setattr(configs, "INTERPRET_MOE_GEMV", configs.GemvConfig(128, 64, 4, 1, split_k=split, rows=2))
-    x, wts, ids, gate, up, down, ref = _moe_case(
-        E, k, T, fmt="gptq_v2" if "v2" in variant else "gptq", sym=not variant.startswith("asym"))
-    if variant == "skew":  # every token's first choice is expert 0: 9 pairs, five programs
-        ids[:, 0] = 0
-        ids[:, 1] = torch.where(ids[:, 1] == 0, 2, ids[:, 1])
-        ref = moe_reference(x.double(), wts.double(), ids, E, lambda e, h: _moe_expert(gate, up, down, e, h))
-    launched = []
-    real = moe_gemv._grouped_gemv_kernel
-    monkeypatch.setattr(moe_gemv, "_grouped_gemv_kernel", _Recorder(real, launched))
-    out = fused_moe(x, wts, ids, gate, up, down, gemv_max_rows=1 << 20)  # the GEMV path at any rows per expert
-    assert len(launched) >= 2  # the grouped kernel ran (gate/up and down)
-    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("split, E, k, T, variant", [
-    (1, 8, 2, 5, "sym"), (2, 4, 2, 21, "asym-v2"), (1, 6, 3, 19, "asym-actorder"), (2, 4, 2, 13, "planes"),
-    (1, 8, 2, 9, "pairs"), (2, 128, 8, 3, "asym"),
-])
-def test_moe_expert_runs_match_reference(monkeypatch, split, E, k, T, variant):
-    """The MoE's expert runs (w4a16.gemm with runs): each expert's pairs in runs of up to 16 rows, one program
-    per pair of which only each run's first works. Experts holding 1 pair, 16, and more than 16 (two runs:
-    21 tokens top-2 of 4 experts), none; split-K (the combine sums the down projection's partials, the gate/up's
-    gated sum), act-order g_idx, nibble planes and pairs of them (group 128), against float64."""
-    planes = variant in ("planes", "pairs")
-    monkeypatch.setattr(configs, "INTERPRET_MOE_RUNS", configs.GemmConfig(
-        16, 64, 128 if planes else 32, split, 4, 1, planes=planes, pairs=variant == "pairs"))
-    x, wts, ids, gate, up, down, ref = _moe_case(
-        E, k, T, hidden=256 if planes else 64, fmt="gptq_v2" if "v2" in variant else "gptq",
-        sym=not variant.startswith("asym"), act_order="actorder" in variant, group=128 if planes else 32)
-    if T > 16:  # every token's first choice is expert 0: its T pairs take two runs
-        ids[:, 0] = 0
-        ids[:, 1] = torch.where(ids[:, 1] == 0, 2, ids[:, 1])
-    if variant == "pairs":  # 16-bit activations (the pairs' operands)
-        x = x.half()
-    ref = moe_reference(x.double(), wts.double(), ids, E, lambda e, h: _moe_expert(gate, up, down, e, h))
-    launched = []
-    monkeypatch.setattr(w4a16, "_gemm_kernel", _Recorder(w4a16._gemm_kernel, launched))
-    out = fused_moe(x, wts, ids, gate, up, down, gemv_max_rows=1 << 20)  # the step's path at any rows per expert
-    assert [g[0] for g in launched] == [ids.numel()] * 2  # one program per pair, gate/up and down
-    torch.testing.assert_close(out.double(), ref, **(tol(torch.float16) if x.dtype == torch.float16 else
-                                                     dict(atol=1e-4, rtol=1e-4)))
-
-
-class _Recorder:
-    """A jit kernel's stand-in that records each launch and runs the kernel."""
-
-    def __init__(self, kernel, log):
-        self.kernel, self.log = kernel, log
-
-    def __getitem__(self, grid):
-        self.log.append(grid)
-        return self.kernel[grid]
-
-
-def _moe_expert(gate, up, down, e, h):
-    from clover_lite.quant.pack import dequantize
-
-    def dense(w):
-        g_idx = w.g_idx[e] if w.g_idx is not None else torch.arange(w.K) // w.group_size
-        fmt = "gptq" if w.zero_offset else "gptq_v2"
-        return dequantize(w.qweight[e], w.qzeros[e], w.scales[e], g_idx, fmt, dtype=torch.float64)
-
-    g, u = h.double() @ dense(gate).t(), h.double() @ dense(up).t()
-    return (torch.nn.functional.silu(g) * u) @ dense(down).t()
-
-
-@pytest.mark.parametrize("T, rows", [(3, 1), (3, 2), (30, 1)])  # GEMV path (one, two pairs), padded path
-def test_fused_moe_adds_the_gated_shared_expert_and_the_residual_in_the_combine(monkeypatch, T, rows):
+@pytest.mark.parametrize("T", [3, 30])  # GEMV path, padded path
+def test_fused_moe_adds_the_gated_shared_expert_and_the_residual_in_the_combine(monkeypatch, T):
     """sigmoid(logit) * shared (the MoE layer's shared expert) and the decoder's residual added to the
-    experts' sum, on the GEMV path (one and two pairs per program) and the padded path, against float64."""
-    monkeypatch.setattr(configs, "INTERPRET_MOE_GEMV", configs.GemvConfig(128, 64, 4, 1, split_k=2, rows=rows))
+    experts' sum, on the GEMV path and the padded path, against float64."""
+    monkeypatch.setattr(configs, "INTERPRET_MOE_GEMV", configs.GemvConfig(128, 64, 4, 1, split_k=2))
     x, wts, ids, gate, up, down, ref = _moe_case(8, 2, T)
     shared = torch.randn(T, x.shape[1], generator=GEN)
     logit = torch.randn(T, 1, generator=GEN) * 2
@@ -518,7 +403,6 @@ def test_every_tuning_config_fits_its_architecture():
         for gv in (configs.gemv_config(arch), configs.gemv_config(arch, moe=True)):
             assert min(gv.block_n, gv.block_k) >= 16 and 128 % gv.block_k == 0, (arch, gv)
             assert gv.smem_bytes() <= configs.SMEM_LIMIT[arch], (arch, gv)
-        assert configs.gemv_config(arch).rows == 1 and configs.gemv_config(arch, moe=True).rows in (1, 2), arch
     assert set(configs.MOE_GEMV_TABLE) <= set(configs.GEMV_TABLE)
     assert configs.arch_of((8, 6)) == "sm_86" and configs.arch_of((9, 0)) == "sm_90"
     assert configs.arch_of((8, 7)) == "sm_80"  # an unknown minor falls back within its major
@@ -667,13 +551,13 @@ def test_irregular_groups_keep_the_gathering_path():
 
 
 @pytest.mark.parametrize("shared_order", [True, False])
-@pytest.mark.parametrize("T, rows", [(2, 1), (6, 2), (40, 1)])  # GEMV, grouped GEMV, padded path (10 rows/expert)
-def test_act_order_experts_repacked_by_group(monkeypatch, shared_order, T, rows):
+@pytest.mark.parametrize("T", [2, 40])  # GEMV, padded path (10 rows/expert)
+def test_act_order_experts_repacked_by_group(monkeypatch, shared_order, T):
     """Stacks of act-order experts through fused_moe: gate and up in one row order (as GPTQ writes them:
     one gathered input, fused kernel) or in two; down in its own; against a float64 reference."""
     from clover_lite.models.quantized import gptq_experts
 
-    monkeypatch.setattr(configs, "INTERPRET_MOE_GEMV", configs.GemvConfig(128, 64, 4, 1, split_k=2, rows=rows))
+    monkeypatch.setattr(configs, "INTERPRET_MOE_GEMV", configs.GemvConfig(128, 64, 4, 1, split_k=2))
 
     E, k, H, inter = 4, 2, 64, 32
     gate_t, gate_w = random_int4(H, inter, 32, act_order=True, stack=E)

@@ -38,9 +38,6 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     planes: bool = True  # dot the weights as 8 nibble planes where the tile allows (no g_idx, BLOCK_K >= 128)
-    # With planes and 16-bit activations: 4 dots over pairs of planes, two nibbles per AND-OR
-    # (w4a16._paired_planes16). Fewer instructions on sm_90 as compiled; a sweep candidate, off in the table.
-    pairs: bool = False
     # Weights in the MMA order: compute out^T = W^T x^T, the weights as the dot's first operand (see
     # mma_swap). None: mma_swap's rule; True/False: forced (the sweep, tests).
     swap: bool | None = None
@@ -75,8 +72,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 2
     split_k: int = 1
-    rows: int = 1  # MoE only: 2 runs two pairs of one expert per program (kernels/moe_gemv.py)
-    sum_in_kernel: bool = True  # as GemmConfig's (one-row tiles; the grouped GEMV keeps _sum_splits' launch)
+    sum_in_kernel: bool = True  # as GemmConfig's (one-row tiles)
 
     def smem_bytes(self, act_bytes: int = 2) -> int:
         return self.num_stages * (self.block_k * act_bytes + self.block_k * self.block_n // 2)
@@ -128,14 +124,6 @@ GEMV_TABLE: dict[str, GemvConfig] = {
 MOE_GEMV_TABLE: dict[str, GemvConfig] = {
     "sm_90": GemvConfig(64, 128, 2, 4, split_k=16),
 }
-# The MoE's expert runs (w4a16.gemm with runs): up to BLOCK_M pairs of one expert in one tensor-core tile,
-# one program per pair of a fixed grid, so each expert's weights are read once per run and the step's graph
-# needs no host sync. Compiled for sm_90 (benchmarks/compile_check.py --as-run) the fused gate/up's K loop
-# at 16 x 128 x 128, 4 warps, runs 3.8 instructions per weight whatever the run's rows (3.1 with pairs of
-# planes; 2.3 with the experts in the MMA order, mma_layout.py), where the GEMV runs 4.25 per weight and pair,
-# 6.7 per expert at a 32-token block's 1.57 pairs (Triton 3.9; benchmarks/RESULTS.md has 3.6's).
-# Unmeasured on a GPU: no entry yet, so the MoE keeps the GEMV; benchmarks/sweep.py times the candidates.
-MOE_RUNS_TABLE: dict[str, GemmConfig] = {}
 # GEMV programs in flight per SM that the split aims at. Its loads are plain (not cp.async pipelined): a
 # program has one [BK/8, BN] tile of words in flight (8 KB at 128 x 128), and an H200 needs about 25 KB in
 # flight per SM to cover its memory latency at full bandwidth (4.8 TB/s x ~0.7 us / 132 SMs).
@@ -143,8 +131,7 @@ GEMV_PROGRAMS_PER_SM = 4
 # Under TRITON_INTERPRET (CPU tests) the cost grows with the number of programs: few, large tiles.
 INTERPRET_GEMM = GemmConfig(16, 64, 32, 1, 4, 1)
 INTERPRET_GEMV = GemvConfig(128, 64, 4, 1)
-INTERPRET_MOE_GEMV = INTERPRET_GEMV  # the MoE's GEMV there: tests set a split, or rows=2 for the grouped kernel
-INTERPRET_MOE_RUNS: GemmConfig | None = None  # the MoE's expert runs there (tests set one)
+INTERPRET_MOE_GEMV = INTERPRET_GEMV  # the MoE's GEMV there (tests set a split)
 # Rows per expert below which the MoE takes the GEMV path instead of padding experts to BLOCK_M rows.
 MOE_GEMV_MAX_ROWS_PER_EXPERT = 4
 
@@ -160,12 +147,6 @@ def arch_of(capability: tuple[int, int]) -> str:
 
 def gemv_config(arch: str, moe: bool = False) -> GemvConfig:
     return MOE_GEMV_TABLE.get(arch, GEMV_TABLE[arch]) if moe else GEMV_TABLE[arch]
-
-
-def moe_runs_config(arch: str | None) -> GemmConfig | None:
-    """The expert-runs tile for a step's MoE on this architecture (None under the interpreter: the test's
-    INTERPRET_MOE_RUNS), or None where the GEMV is the MoE's path."""
-    return INTERPRET_MOE_RUNS if arch is None else MOE_RUNS_TABLE.get(arch)
 
 
 def gemm_config(arch: str, m: int) -> GemmConfig:
@@ -246,7 +227,7 @@ def autotune_configs(arch: str, m: int, base: GemmConfig | None = None) -> list[
     for bn in (64, 128):
         for sk in (1, 2, 4, 8):
             for st in (2, 3, 4):
-                c = GemmConfig(base.block_m, bn, base.block_k, sk, base.num_warps, st, base.planes, base.pairs)
+                c = GemmConfig(base.block_m, bn, base.block_k, sk, base.num_warps, st, base.planes)
                 if c not in out and c.smem_bytes() <= SMEM_LIMIT[arch]:
                     out.append(c)
     return out

@@ -3,9 +3,7 @@ fused -> combine. Runs on the experts a block actually touches.
 
 Two paths (shared DESIGN.md sections 4 and 7): when the touched experts hold few rows each (a 32-token
 block with top-8 of 256 experts gives ~1.6 rows per touched expert) every (token, expert) pair is one
-GEMV-style program that reads its expert's weights once, with no padding (or, where configs.MOE_RUNS_TABLE
-has an entry, each expert's pairs in runs of up to BLOCK_M rows of one tensor-core tile, on a fixed grid of
-one program per pair: w4a16.gemm's `runs`); with many rows per expert
+GEMV-style program that reads its expert's weights once, with no padding; with many rows per expert
 (prefill) pairs are sorted by expert and padded to BLOCK_M-row tiles with one expert per tile, as vLLM's
 fused_moe does, and run through the tiled tl.dot kernel. Act-order experts repacked by group at load
 (Int4Weights.perm) get each pair's input with its columns gathered into the expert's row order. The sort
@@ -14,15 +12,13 @@ of the pairs by expert and the combine of their outputs per token are kernels of
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
 
 from clover_lite.kernels import configs
-from clover_lite.kernels.moe_gemv import grouped_gemv
 from clover_lite.kernels.moe_route import combine, sort_pairs
-from clover_lite.kernels.w4a16 import Int4Weights, _arch, fill_split, gemm, gemm_config_for, gemv
+from clover_lite.kernels.w4a16 import Int4Weights, fill_split, gemm, gemm_config_for, gemv
 
 
 def align_by_expert(sorted_expert: torch.Tensor, num_experts: int, block_m: int):
@@ -93,23 +89,9 @@ def fused_moe(
         x_pairs = x[token_of.long()]
         x_gate = _gather_columns(x_pairs, gate, sorted_e)
         x_up = x_gate if up.perm is gate.perm else _gather_columns(x_pairs, up, sorted_e)
-    if P <= touched * gemv_max_rows:
-        arch = _arch(x.device)
-        runs_cfg = configs.moe_runs_config(arch)
-        if runs_cfg is not None:  # each expert's pairs in runs of up to BLOCK_M rows, a tensor-core tile a run
-            # Split K for about one run per touched expert (not P / BLOCK_M tiles) and column tile.
-            def mv(inp, w, w2=None, rows=None, row_scale=None, sum_splits=True):
-                cfg = fill_split(runs_cfg, math.ceil(touched) * runs_cfg.block_m, w.N, x.device)
-                return gemm(inp, w, w2, rows=rows, tile_expert=sorted_e, row_scale=row_scale, n_rows=P,
-                            config=cfg, runs=(pairs.rank, pairs.count), sum_splits=sum_splits)
-        else:
-            cfg = configs.INTERPRET_MOE_GEMV if arch is None else configs.gemv_config(arch, moe=True)
-            if cfg.rows == 2 and gate.g_idx is None and down.g_idx is None:  # two pairs of an expert a program
-                def mv(inp, w, w2=None, **kw):
-                    return grouped_gemv(inp, w, pairs.expert, pairs.rank, pairs.count, w2, **kw)
-            else:  # a program per pair
-                def mv(inp, w, w2=None, **kw):
-                    return gemv(inp, w, w2, row_expert=sorted_e, n_rows=P, moe=True, **kw)
+    if P <= touched * gemv_max_rows:  # a program per pair
+        def mv(inp, w, w2=None, **kw):
+            return gemv(inp, w, w2, row_expert=sorted_e, n_rows=P, moe=True, **kw)
         if not permuted:
             inter = mv(x, gate, up, rows=token_of)
         elif x_up is x_gate:

@@ -105,39 +105,6 @@ def _biased_planes16(words, dtype: tl.constexpr):
 
 
 @triton.jit
-def _pair16(words, shift: tl.constexpr, b: tl.constexpr, dtype: tl.constexpr, BLOCK_K: tl.constexpr,
-            BLOCK_N: tl.constexpr):
-    """Nibbles shift/4 and shift/4 + 4 of each word, interleaved along K (see _paired_planes16)."""
-    m = ((words >> shift) & 0x000F000F) | b
-    pair = tl.join(m.to(tl.int16), (m >> 16).to(tl.int16))  # [BK/8, BN, 2]
-    return tl.reshape(tl.permute(pair, (0, 2, 1)), (BLOCK_K // 4, BLOCK_N)).to(dtype, bitcast=True)
-
-
-@triton.jit
-def _paired_planes16(words, dtype: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Nibbles J and J + 4 of each word (J < 4) as 16-bit floats B + q, interleaved along K: pair J [2 BK/8,
-    BN] holds rows 8i + J and 8i + J + 4 of the tile at rows 2i and 2i + 1. One AND-OR makes both of a
-    word's halves at once (masks 0x000F000F, B in each half), which is the two 16-bit values a tensor-core
-    operand register holds for neighbouring K. Compiled for sm_90 (compile_check --as-run), the GEMM's K loop
-    at M <= 16 ran 519 instructions per thread against 578 with 8 planes (the MoE's fused gate/up: 783
-    against 969); for sm_86 the same within 2%. A sweep candidate (GemmConfig.pairs), unmeasured."""
-    b: tl.constexpr = 0x43004300 if dtype == tl.bfloat16 else 0x64006400
-    return (_pair16(words, 0, b, dtype, BLOCK_K, BLOCK_N), _pair16(words, 4, b, dtype, BLOCK_K, BLOCK_N),
-            _pair16(words, 8, b, dtype, BLOCK_K, BLOCK_N), _pair16(words, 12, b, dtype, BLOCK_K, BLOCK_N))
-
-
-@triton.jit
-def _split_pairs(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x [BM, BK] -> 4 tensors [BM, BK/4]: pair J holds columns 8i + J and 8i + J + 4 at 2i and 2i + 1."""
-    t = tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 2, 2))  # [m, i, h, j1, j0], column 8i + 4h + 2 j1 + j0
-    e, o = tl.split(t)
-    p0, p2 = tl.split(e)
-    p1, p3 = tl.split(o)
-    return (tl.reshape(p0, (BLOCK_M, BLOCK_K // 4)), tl.reshape(p1, (BLOCK_M, BLOCK_K // 4)),
-            tl.reshape(p2, (BLOCK_M, BLOCK_K // 4)), tl.reshape(p3, (BLOCK_M, BLOCK_K // 4)))
-
-
-@triton.jit
 def _split_planes(x):
     """x [..., 8] -> its 8 columns, in order (tl.split halves a last dim of 2: three times over)."""
     c0, c1 = tl.split(tl.reshape(x, x.shape[:-1] + (2, 2, 2)))
@@ -267,7 +234,7 @@ def _gemv_words(qw_ptr, e, s_qe, s_qk, s_qn, k0, k_end, N, n0, offs_i, offs_n, n
 @triton.jit
 def _plane_tile_product(xplanes, xsum, qw_ptr, sc_ptr, qz_ptr, e, offs_n, n_ok, k0, k_end, g,
                         s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset, opaque_zero,
-                        DOT_IEEE: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr = False):
+                        DOT_IEEE: tl.constexpr, BLOCK_K: tl.constexpr):
     """x times the weight tile of rows k0.. (one group, BLOCK_K >= 128) as 8 dots over nibble planes: plane
     J [BK/8, BN] holds rows k0 + 8i + J, in the layout the words were loaded in, against x's columns
     k0 + 8i + J (xplanes, from _split_planes; xsum: x's row sums in fp32). Its floats come from bit
@@ -275,8 +242,7 @@ def _plane_tile_product(xplanes, xsum, qw_ptr, sc_ptr, qz_ptr, e, offs_n, n_ok, 
     removed with the zero point; padding words (0) become B, against x columns masked to 0. Expanding the
     words to [BK, BN] instead stored every dequantized element to shared memory on its own after an
     int-to-float conversion per weight (sm_90, per thread per tile: 771 instructions, 131 conversions;
-    this way 578 and 1). PAIRS (16-bit dots only): 4 dots over pairs of planes (_paired_planes16, x's
-    columns from _split_pairs)."""
+    this way 578 and 1)."""
     offs_i = tl.arange(0, BLOCK_K // 8)
     i_ok = k0 // 8 + offs_i < k_end // 8
     words = tl.load(qw_ptr + e * s_qe + (k0 // 8 + offs_i)[:, None] * s_qk + offs_n[None, :] * s_qn,
@@ -287,10 +253,6 @@ def _plane_tile_product(xplanes, xsum, qw_ptr, sc_ptr, qz_ptr, e, offs_n, n_ok, 
         wq = _nibble_planes(words, opaque_zero)
         for J in tl.static_range(8):
             xq = tl.dot(xplanes[J], wq[J], xq, input_precision="ieee")
-    elif PAIRS:
-        wq = _paired_planes16(words, dtype, BLOCK_K, offs_n.shape[0])
-        for J in tl.static_range(4):
-            xq = tl.dot(xplanes[J], wq[J], xq)
     else:
         wq = _biased_planes16(words, dtype)
         for J in tl.static_range(8):
@@ -330,7 +292,7 @@ def _tile_product(x, qw_ptr, sc_ptr, qz_ptr, gi_ptr, e, offs_k, offs_n, k_ok, n_
 
 @triton.jit
 def _gemm_kernel(
-    x_ptr, rows_ptr, tile_expert_ptr, out_ptr, row_scale_ptr, rank_ptr, count_ptr, sum_ptr, tile_done_ptr,
+    x_ptr, rows_ptr, tile_expert_ptr, out_ptr, row_scale_ptr, sum_ptr, tile_done_ptr,
     qw_ptr, sc_ptr, qz_ptr, gi_ptr, qw2_ptr, sc2_ptr, qz2_ptr, gi2_ptr,
     M, N, K, k_per_split, group_size, zero_offset,
     s_xm, s_xk, s_os, s_om, s_on, s_fm, s_fn,
@@ -338,28 +300,16 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_ROWS: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_GIDX: tl.constexpr, FUSE_GATE_UP: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr, DOT_IEEE: tl.constexpr, PLANES: tl.constexpr, PARTIAL: tl.constexpr,
-    PAIRS: tl.constexpr = False, EXPERT_RUNS: tl.constexpr = False, MMA_ORDER: tl.constexpr = 0,
-    MMA_SWAP: tl.constexpr = False, SUM_IN_KERNEL: tl.constexpr = False,
+    MMA_ORDER: tl.constexpr = 0, MMA_SWAP: tl.constexpr = False, SUM_IN_KERNEL: tl.constexpr = False,
 ):
     """SUM_IN_KERNEL (with PARTIAL): the last split of each output tile sums the tile's partials into sum_ptr
     [M, N] (_last_split_sums), instead of a _sum_splits launch after this one.
-    MMA_SWAP (weights in the MMA order): the tile accumulated transposed, [BN, BM] (_mma_tile_product).
-    EXPERT_RUNS: the M rows are (token, expert) pairs sorted by expert (moe_route.sort_pairs), and program
-    p of axis 0 leads the run of up to BLOCK_M pairs of its expert that starts at pair p when p's rank among
-    that expert's pairs is a multiple of BLOCK_M (tile_expert: each pair's expert). The others run no K loop
-    and store nothing. A fixed grid (one program per pair) that reads each expert's weights once per run,
-    with no host sync to lay the tiles out (align_by_expert's padding needs one)."""
+    MMA_SWAP (weights in the MMA order): the tile accumulated transposed, [BN, BM] (_mma_tile_product)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    if EXPERT_RUNS:
-        rank = tl.load(rank_ptr + pid_m)
-        run = tl.where(rank % BLOCK_M == 0, tl.minimum(tl.load(count_ptr + pid_m) - rank, BLOCK_M), 0)
-        offs_m = pid_m + tl.arange(0, BLOCK_M)
-        m_ok = tl.arange(0, BLOCK_M) < run
-    else:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < M
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -380,8 +330,6 @@ def _gemm_kernel(
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if EXPERT_RUNS:
-        k_end = tl.where(run > 0, k_end, k_start)
     opaque_zero = K >> 31  # see _nibble_planes
     g, g_end = _first_group(k_start, group_size)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -398,18 +346,15 @@ def _gemm_kernel(
                                           s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset, opaque_zero, MMA_ORDER, BLOCK_K,
                                           MMA_SWAP)
         elif PLANES:
-            if PAIRS:
-                xplanes = _split_pairs(x, BLOCK_M, BLOCK_K)  # pair J: columns k0 + 8i + J and k0 + 8i + J + 4
-            else:
-                xplanes = _split_planes(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 8)))  # plane J: columns k0 + 8i + J
+            xplanes = _split_planes(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 8)))  # plane J: columns k0 + 8i + J
             xsum = tl.sum(x.to(tl.float32), axis=1)
             acc += _plane_tile_product(xplanes, xsum, qw_ptr, sc_ptr, qz_ptr, e, offs_n, n_ok, k0, k_end, g,
                                        s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset,
-                                       opaque_zero, DOT_IEEE, BLOCK_K, PAIRS)
+                                       opaque_zero, DOT_IEEE, BLOCK_K)
             if FUSE_GATE_UP:
                 acc2 += _plane_tile_product(xplanes, xsum, qw2_ptr, sc2_ptr, qz2_ptr, e, offs_n, n_ok, k0, k_end, g,
                                             s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, zero_offset,
-                                            opaque_zero, DOT_IEEE, BLOCK_K, PAIRS)
+                                            opaque_zero, DOT_IEEE, BLOCK_K)
         else:
             acc += _tile_product(x, qw_ptr, sc_ptr, qz_ptr, gi_ptr, e, offs_k, offs_n, k_ok, n_ok, k0, k_end, g,
                                  s_qe, s_qk, s_qn, s_se, s_sg, s_sn, s_ze, s_zg, s_zn, s_ge, s_gk,
@@ -806,18 +751,13 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: torch.Tensor | None = None,
          tile_expert: torch.Tensor | None = None, row_scale: torch.Tensor | None = None, n_rows: int | None = None,
          config: configs.GemmConfig | None = None, planes: bool | None = None,
-         runs: tuple[torch.Tensor, torch.Tensor] | None = None, sum_splits: bool = True) -> torch.Tensor:
+         sum_splits: bool = True) -> torch.Tensor:
     """out [n_rows, N] = x[rows] @ W_e (per tile expert), optionally silu(x W) * (x W2) and * row_scale.
     `planes`: dot the packed words as 8 nibble planes (default: the config's choice, where possible: no g_idx,
     K tile >= 128); False keeps the unpacked [BK, BN] tile, which benchmarks/kernels.py times side by side.
-    `runs` (rank, count): the rows are (token, expert) pairs sorted by expert, each with its rank among its
-    expert's pairs and that expert's pair count (moe_route.ExpertPairs), `tile_expert` each pair's expert:
-    one program per pair, those at ranks 0, BLOCK_M, ... each taking up to BLOCK_M pairs (_gemm_kernel's
-    EXPERT_RUNS). `sum_splits=False` (not fused): the split-K partials [splits, n_rows, N] as they are."""
+    `sum_splits=False` (not fused): the split-K partials [splits, n_rows, N] as they are."""
     _check_x(x, w)
     _check_partials(sum_splits, w2)
-    if runs is not None and tile_expert is None:
-        raise ValueError("runs of pairs need each pair's expert (tile_expert)")
     _check_pair(w, w2)
     cdt = _compute_dtype(x)
     xc = _as(x, cdt)
@@ -840,14 +780,13 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
     use_planes = w.g_idx is None and bk >= 128 and (cfg.planes if planes is None else planes)
     fused = w2 is not None
     out = _split_buffer(split, M, w, fused, cdt, x.device)
-    grid = (M if runs is not None else cdiv(M, cfg.block_m), cdiv(w.N, cfg.block_n), split)
+    grid = (cdiv(M, cfg.block_m), cdiv(w.N, cfg.block_n), split)
     w2a = w2.args() if w2 is not None else w.args()
     dummy = out
-    rank, count = runs if runs is not None else (dummy, dummy)
     in_kernel, total, tile_done = _sum_target(split, sum_splits, cfg, M, w, cdt, grid, dummy)
     _gemm_kernel[grid](
         xc, rows if rows is not None else dummy, tile_expert if tile_expert is not None else dummy, out,
-        row_scale if row_scale is not None else dummy, rank, count, total, tile_done,
+        row_scale if row_scale is not None else dummy, total, tile_done,
         *w.args(), *w2a,
         M, w.N, w.K, k_per, w.group_size, w.zero_offset,
         xc.stride(0), xc.stride(1), out.stride(0), out.stride(1), out.stride(2), total.stride(-2), total.stride(-1),
@@ -855,8 +794,7 @@ def gemm(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
         HAS_ROWS=rows is not None, HAS_EXPERTS=tile_expert is not None, HAS_GIDX=w.g_idx is not None,
         FUSE_GATE_UP=w2 is not None, HAS_ROW_SCALE=row_scale is not None, DOT_IEEE=cdt == torch.float32,
-        PLANES=use_planes, PARTIAL=split > 1, PAIRS=use_planes and cfg.pairs and cdt != torch.float32,
-        EXPERT_RUNS=runs is not None, MMA_ORDER=w.mma_order,
+        PLANES=use_planes, PARTIAL=split > 1, MMA_ORDER=w.mma_order,
         MMA_SWAP=bool(w.mma_order) and configs.mma_swap(cfg, arch, w.mma_order, fp32=cdt == torch.float32),
         SUM_IN_KERNEL=in_kernel, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -897,10 +835,9 @@ def gemv(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None = None, rows: t
 
 
 def _gemv_plan(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None, P: int, config, moe: bool,
-               sum_splits: bool, pairs_per_program: int = 1):
-    """What the GEMV launchers (gemv here, moe_gemv.grouped_gemv) share: the argument checks, the config
-    (the table's, its split-K trimmed to fill the GPU for about P / pairs_per_program programs per column
-    tile), the K tile and split, and the output [splits, P, N] (2N: fused gate/up partials). None for P = 0."""
+               sum_splits: bool):
+    """gemv's argument checks, config (the table's, its split-K trimmed to fill the GPU for P programs per
+    column tile), K tile and split, and output [splits, P, N] (2N: fused gate/up partials). None for P = 0."""
     _check_x(x, w)
     _check_pair(w, w2)
     _check_partials(sum_splits, w2)
@@ -909,7 +846,7 @@ def _gemv_plan(x: torch.Tensor, w: Int4Weights, w2: Int4Weights | None, P: int, 
     interp = configs.INTERPRET_MOE_GEMV if moe else configs.INTERPRET_GEMV
     cfg = config or (interp if arch is None else configs.gemv_config(arch, moe))
     if config is None and arch is not None:
-        programs = cdiv(P, pairs_per_program) * cdiv(w.N, cfg.block_n)
+        programs = P * cdiv(w.N, cfg.block_n)
         cfg = configs.gemv_split_to_fill(cfg, programs, w.K, _sm_count(x.device.index or 0))
     if P == 0:
         return None
