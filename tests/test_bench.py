@@ -65,6 +65,16 @@ def test_bench_argument_errors_and_refusal(monkeypatch):
     r = runner.invoke(main, ["bench", "--config", "clover-35b-a3b", "--random-weights", "--quant", "int4",
                              "--device", "cpu"])
     assert r.exit_code == 1 and "exceed the available RAM" in r.output and "on a GPU it fits" in r.output
+    # One that fits, but only just: it runs, with a warning before anything is allocated.
+    from clover_lite.planning.planner import plan
+
+    need = plan("tiny", "fp32", 64, "cpu").total
+    monkeypatch.setattr(devices, "available_ram", lambda: int(need * 1.1))
+    r = runner.invoke(main, ["bench", "--config", "tiny", "--random-weights", "--device", "cpu", *FAST])
+    assert r.exit_code == 0 and "warning: this needs about" in r.output and "of RAM available now" in r.output
+    monkeypatch.setattr(devices, "available_ram", lambda: int(need * 0.8))
+    r = runner.invoke(main, ["bench", "--config", "tiny", "--random-weights", "--device", "cpu", *FAST])
+    assert r.exit_code == 1 and "cache and workspace" in r.output, r.output
 
 
 def test_bench_on_a_checkpoint(tiny_dir, tmp_path):

@@ -21,7 +21,7 @@ from clover_lite.errors import CloverError
 from clover_lite.planning.devices import fmt_bytes
 from clover_lite.planning.memory import parse_quant
 from clover_lite.planning.named_configs import NAMED_CONFIGS, named_config
-from clover_lite.planning.planner import MemoryPlan, MemoryPlanError, meta_model, plan
+from clover_lite.planning.planner import MemoryPlan, MemoryPlanError, meta_model, plan, ram_warning
 from clover_lite.runtime.engine import Engine, on_device
 from clover_lite.runtime.generation import DoneEvent, StepEvent
 
@@ -235,6 +235,13 @@ def _check_plan(p: MemoryPlan, device: torch.device) -> None:
     if device.type == "cpu" and p.target.capacity and p.weight_bytes > p.target.capacity:
         raise MemoryPlanError(f"not building the model: the weights ({fmt_bytes(p.weight_bytes)}) exceed the "
                               f"available RAM ({fmt_bytes(p.target.capacity)}).\n{p.message()}")
+    if device.type == "cpu" and p.target.capacity and p.total > p.target.capacity:
+        raise MemoryPlanError(f"not running: the weights, cache and workspace ({fmt_bytes(p.total)}) exceed the "
+                              f"available RAM ({fmt_bytes(p.target.capacity)}); use fewer --prompt-tokens or "
+                              f"--new-tokens, or --quant int4.\n{p.message()}")
+    warning = ram_warning(p) if device.type == "cpu" else None
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
 
 
 @click.command()

@@ -368,6 +368,18 @@ def model_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+RAM_WARN_FRACTION = 0.75  # above this share of the available RAM, other programs or a transient can tip it over
+
+
+def ram_warning(p: MemoryPlan) -> str | None:
+    """On a CPU: a warning when the plan takes most of the RAM available now, else None."""
+    cap = p.target.capacity if p.target is not None and not p.target.gpu else 0
+    if not cap or p.total <= RAM_WARN_FRACTION * cap:
+        return None
+    return (f"this needs about {_gb(p.total)} of the {_gb(cap)} of RAM available now: the machine may swap, "
+            "or the process be killed; close other programs, or use a smaller --context or an INT4 model")
+
+
 def check_load(path: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                context: int | None = None) -> MemoryPlan | None:
     """Called by `load` before allocating: raise MemoryPlanError when the model will not fit.
@@ -393,5 +405,5 @@ def check_load(path: Path, config: ModelConfig, device: torch.device, dtype: tor
     return p
 
 
-__all__ = ["plan", "MemoryPlan", "MemoryPlanError", "check_load", "meta_model", "model_bytes", "PREFILL_CHUNK",
-           "LOAD_CHECK_CONTEXT"]
+__all__ = ["plan", "MemoryPlan", "MemoryPlanError", "check_load", "ram_warning", "meta_model", "model_bytes",
+           "PREFILL_CHUNK", "LOAD_CHECK_CONTEXT"]
