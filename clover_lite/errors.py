@@ -19,3 +19,12 @@ class TokenizerError(CloverError, ValueError):
 
 class GenerationError(CloverError, ValueError):
     """A generation request that cannot be served (bad setting, prompt over the context, ...)."""
+
+
+class NonFiniteError(GenerationError):
+    """A denoising step's logits held NaN or Inf. `module` names the first module whose output went
+    non-finite when the step was re-run with hooks (None when no module could be named)."""
+
+    def __init__(self, message: str, module: str | None = None):
+        super().__init__(message)
+        self.module = module

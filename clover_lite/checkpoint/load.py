@@ -38,26 +38,48 @@ def read_quant_config(path: Path) -> dict | None:
     file = path / "quantize_config.json"
     if file.exists():
         try:
-            qc = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{file}: not valid JSON ({e})") from e
+            qc = json.loads(file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{file}: not valid JSON ({e}); re-download or re-quantize the model") from e
     else:
+        file = path / "config.json"
         try:
-            qc = json.loads((path / "config.json").read_text()).get("quantization_config")
-        except (OSError, json.JSONDecodeError):
-            qc = None
+            qc = json.loads(file.read_text(encoding="utf-8"))
+            qc = qc.get("quantization_config") if isinstance(qc, dict) else None
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            qc = None  # config.json's own reader reports a broken file
     if qc is None:
         return None
+    return _checked_quant_config(qc, file)
+
+
+def _checked_quant_config(qc: object, file: Path) -> dict:
+    """The quantization settings, each key the runtime reads checked for its type and range."""
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{file}: the quantization settings must be a JSON object")
+
+    def integer(key: str, default: int, ok) -> int:
+        v = qc.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or not ok(v):
+            raise CheckpointError(f"{file}: '{key}' is {json.dumps(v)[:40]}, not a valid value; re-quantize the model")
+        return v
+
+    for key in ("lm_head", "sym", "desc_act"):
+        if key in qc and not isinstance(qc[key], bool):
+            raise CheckpointError(f"{file}: '{key}' must be true or false, got {json.dumps(qc[key])[:40]}")
     method = qc.get("quant_method", "gptq")
     if method == "nf4":
+        integer("blocksize", 64, lambda v: 1 <= v <= 1 << 16)
         return qc
     if method != "gptq":
-        raise CheckpointError(f"{path}: quantization method '{method}' is not supported (GPTQ INT4 or NF4)")
-    if int(qc.get("bits", 4)) != 4:
-        raise CheckpointError(f"{path}: {qc.get('bits')}-bit GPTQ is not supported; clover-lite runs 4-bit weights")
+        raise CheckpointError(f"{file}: quantization method {json.dumps(method)[:40]} is not supported "
+                              "(GPTQ INT4 or NF4)")
+    if integer("bits", 4, lambda v: True) != 4:
+        raise CheckpointError(f"{file}: {qc.get('bits')}-bit GPTQ is not supported; clover-lite runs 4-bit weights")
+    integer("group_size", 128, lambda v: v == -1 or 1 <= v <= 1 << 20)
     fmt = qc.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
-        raise CheckpointError(f"{path}: checkpoint_format '{fmt}' is not supported (gptq or gptq_v2)")
+        raise CheckpointError(f"{file}: checkpoint_format {json.dumps(fmt)[:40]} is not supported (gptq or gptq_v2)")
     return qc
 
 
@@ -195,10 +217,14 @@ def copy_tensors(
     plans: dict[str, list[Assignment]],
     only: Callable[[str], bool] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    check_finite: bool = False,
 ) -> int:
     """Read the planned tensors (those whose canonical name passes `only`) into the model, one at a time,
     cast to each destination's dtype. Destinations are looked up now, so a model whose layers were
-    materialised after planning (the streaming quantizer) gets the real tensors."""
+    materialised after planning (the streaming quantizer) gets the real tensors. `check_finite` scans each
+    float tensor, as cast for its destination and still on the host, for NaN/Inf (one isfinite pass over
+    bytes just read; integer GPTQ tensors are skipped) and raises CheckpointError naming it. Off by default
+    here: load_weights turns it on, and the streaming quantizer runs its own check."""
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     todo = [n for n in plans if only is None or only(canonical_name(n))]
     total, done = len(todo), 0
@@ -214,7 +240,10 @@ def copy_tensors(
                         src = a.transform(tensor) if a.transform else tensor
                         dest = tensors[a.dest]
                         target = dest if a.index is None else dest[a.index]
-                        target.copy_(src.to(dest.dtype))
+                        cast = src.to(dest.dtype)
+                        if check_finite and cast.is_floating_point() and not bool(torch.isfinite(cast).all()):
+                            raise nonfinite_error(ckpt.headers[name], tensor, cast)
+                        target.copy_(cast)
                     del tensor
                     done += 1
                     if progress:
@@ -222,17 +251,46 @@ def copy_tensors(
     return done
 
 
+def nonfinite_error(info: TensorInfo, stored: torch.Tensor, cast: torch.Tensor) -> CheckpointError:
+    """The error for a tensor holding NaN/Inf (`stored` as read, `cast` as it would enter the model): how
+    many of each and where the first is, or, when the stored values are finite, the cast that overflowed."""
+    def first_bad(t: torch.Tensor) -> list[int]:
+        return [int(i) for i in (~torch.isfinite(t)).nonzero()[0].tolist()]
+
+    head = f"tensor '{info.name}' in {info.file}"
+    if stored.is_floating_point() and not bool(torch.isfinite(stored).all()):
+        where = first_bad(stored)
+        nan, inf = int(torch.isnan(stored).sum()), int(torch.isinf(stored).sum())
+        return CheckpointError(
+            f"{head} holds {nan} NaN and {inf} Inf value(s) of {stored.numel()} (the first at index "
+            f"{where}): the file is corrupt or was exported from a diverged model; re-download or "
+            "re-export the checkpoint (load(..., check_finite=False) / --no-check-finite skips this scan)"
+        )
+    biggest = float(stored.abs().max()) if stored.numel() else 0.0
+    return CheckpointError(
+        f"{head} has values up to {biggest:.4g}, beyond the range of {cast.dtype} (first at index "
+        f"{first_bad(cast)}): "
+        "load with a wider dtype (bfloat16 or float32), or pass load(..., check_finite=False) / "
+        "--no-check-finite to load it anyway"
+    )
+
+
 def load_weights(
     model: Denoiser,
     ckpt: Checkpoint,
     progress: Callable[[int, int], None] | None = None,
+    check_finite: bool = True,
 ) -> LoadReport:
-    """Fill `model`'s tensors (already materialised on their device) from the checkpoint."""
+    """Fill `model`'s tensors (already materialised on their device) from the checkpoint; `check_finite`
+    refuses a float tensor holding NaN or Inf (copy_tensors)."""
     plans, skipped, _ = plan_checkpoint(model, ckpt)
-    total = copy_tensors(model, ckpt, plans, progress=progress)
+    total = copy_tensors(model, ckpt, plans, progress=progress, check_finite=check_finite)
     filled = {u for plan in plans.values() for a in plan for u in a.units}
     _fill_default_g_idx(model, filled)
     notes = []
+    if not check_finite:
+        notes.append("the NaN/Inf scan of the weights was skipped (check_finite=False / --no-check-finite); "
+                     "non-finite logits still stop a generation with an error")
     if skipped:
         kinds = sorted({n.split(".")[0] if n.startswith("mtp.") else "vision" for n in skipped})
         notes.append(f"skipped {len(skipped)} tensor(s) not used by the text denoiser ({', '.join(kinds)})")
@@ -267,14 +325,16 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     progress: Callable[[int, int], None] | None = None,
     kernels: str | None = None,
+    check_finite: bool = True,
 ) -> tuple[Denoiser, LoadReport]:
     """Load a checkpoint; `kernels` (auto|torch|triton, default $CLOVER_KERNELS or auto) picks the
-    implementation of the quantized modules once, here."""
+    implementation of the quantized modules once, here. `check_finite` (default) refuses a float tensor
+    (fp16 GPTQ scales included) holding NaN or Inf, naming it; off, the report's notes say it was skipped."""
     from clover_lite.kernels import dispatch
 
     ckpt = Checkpoint(path)
     model = build_model(config, device, dtype, ckpt)
-    report = load_weights(model, ckpt, progress)
+    report = load_weights(model, ckpt, progress, check_finite=check_finite)
     model.eval()
     dispatch.apply(model, dispatch.select(device, kernels))
     return model, report

@@ -38,6 +38,9 @@ def load_with_progress(path, **kwargs):
 
     from clover_lite.runtime.engine import load
 
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and CHECK_FINITE_KEY in ctx.meta:  # --no-check-finite (load_options)
+        kwargs.setdefault("check_finite", ctx.meta[CHECK_FINITE_KEY])
     console = Console(stderr=True)
     if not console.is_terminal:
         engine = load(path, **kwargs)
@@ -81,14 +84,26 @@ def decoding_options(f):
     return f
 
 
+CHECK_FINITE_KEY = "clover_lite.check_finite"
+
+
+def _remember_check_finite(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    ctx.meta[CHECK_FINITE_KEY] = value
+
+
 def load_options(f):
-    """Where and how the engine is loaded: shared by run and chat."""
+    """Where and how the engine is loaded: shared by run and chat. --check-finite/--no-check-finite is not
+    passed to the command: it is kept in the click context, where load_with_progress reads it."""
     options = [
         click.option("--device", default="auto", show_default=True),
         click.option("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)."),
         click.option("--context", type=click.IntRange(min=1), default=None,
                      help="Positions (prompt + replies) the engine holds [default: with the CUDA-graph step (GPU, "
                           "INT4 experts) as many as fit, at most 32K; otherwise the model's limit]."),
+        click.option("--check-finite/--no-check-finite", default=True, show_default=True, expose_value=False,
+                     callback=_remember_check_finite,
+                     help="Scan the weights for NaN/Inf while loading (off: faster for a very large checkpoint; "
+                          "non-finite logits still stop generation with an error)."),
     ]
     for opt in reversed(options):
         f = opt(f)

@@ -248,6 +248,7 @@ def load(
     context: int | None = None,
     kernels: str | None = None,
     static_step: bool | None = None,
+    check_finite: bool = True,
 ) -> Engine:
     """Load a model directory (Hugging Face layout: config.json, safetensors, tokenizer files).
 
@@ -257,6 +258,9 @@ def load(
     only when the weights alone exceed the available RAM. `kernels` (auto|torch|triton) overrides
     $CLOVER_KERNELS; `context` and `static_step` are the engine's (see Engine): on CUDA with the Triton
     kernels the denoising step is captured once as a CUDA graph over a cache of `context` positions.
+    `check_finite` (default) scans every float tensor as it is read and refuses one holding NaN or Inf with a
+    CheckpointError naming it; False skips that pass for a very large checkpoint (the report's notes say so).
+    Either way a generation whose logits go non-finite stops with NonFiniteError.
     """
     model_path = Path(path) if path is not None else default_model_path()
     if not model_path.exists():
@@ -275,7 +279,8 @@ def load(
             # A static step's cache (and its CUDA graph) is sized once: as long as fits (at least the checked
             # context, since the check passed), up to 32K by default. An eager engine's cache grows instead.
             fits = min(config.max_position_embeddings, MAX_STATIC_CONTEXT, p.max_context(p.target.capacity))
-    model, report = load_model(model_path, config, dev, dt, progress, kernels=kernels)
+    model, report = load_model(model_path, config, dev, dt, progress, kernels=kernels,
+                               check_finite=check_finite)
     tokenizer = None
     if any((model_path / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
         tokenizer = Tokenizer.from_dir(model_path)

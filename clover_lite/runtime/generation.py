@@ -18,6 +18,7 @@ import torch
 
 from clover_lite.errors import GenerationError
 from clover_lite.models.denoiser import Denoiser
+from clover_lite.runtime.nonfinite import nonfinite_error
 from clover_lite.runtime.sampling import CONFIDENCE_RANGES, CONFIDENCES, choose
 from clover_lite.tokenizer.incremental import IncrementalDecoder
 
@@ -220,6 +221,17 @@ class CachedRunner:
         return logits[0]
 
     @torch.no_grad()
+    def replay(self, before: Sequence[int], block: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """What led to a step's logits, again, eagerly (never the captured graph) and from an empty cache: the
+        committed sequence `before` (whole blocks) as a prefill, then the step. For finding where non-finite
+        values arise (find_nonfinite_module): a NaN written to the cache by an earlier commit shows up where
+        it was made, not where a later step read it. The cache is left holding `before`."""
+        self.cache.reset()
+        self.prefill(before)
+        pos = torch.tensor(list(positions), dtype=torch.long, device=self.device)
+        return self.model.step(self._ids(block), self.cache, pos)[0][0]
+
+    @torch.no_grad()
     def commit(self, block: Sequence[int]) -> None:
         if self.static is not None and len(block) == self.block_size and self.cache.length % self.block_size == 0:
             self.static.commit(block)  # a full block of the grid: the captured commit
@@ -249,6 +261,11 @@ class RecomputeRunner:
         ids = torch.tensor([self.committed + list(block)], dtype=torch.long, device=self.device)
         logits = self.model(ids, block_size=self.block_size)[0]
         return logits[[len(self.committed) + p for p in positions]]
+
+    def replay(self, before: Sequence[int], block: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """The step again after `before` (its whole sequence is re-run anyway)."""
+        self.committed = list(before)
+        return self.step(block, positions)
 
     def commit(self, block: Sequence[int]) -> None:
         self.committed += list(block)
@@ -337,9 +354,15 @@ def denoise(
             tokens, conf = chooser(
                 logits, cfg.temperature, cfg.top_k, cfg.top_p, cfg.confidence, mask_token_id, generator
             )
+            # Whether the logits are all finite (NaN logits pick token 0 everywhere, an "empty" reply): one
+            # reduction on the device, its flag riding with the confidences, so still one transfer.
+            conf = torch.cat([conf.float(), torch.isfinite(logits).all().float().reshape(1)])
             # The block's choices to the host at once (at most 64 each): one wait for the device per step,
             # not one per selection and per committed token.
             tokens, conf = tokens.cpu(), conf.cpu()
+            conf, finite = conf[:-1], bool(conf[-1])
+            if not finite:
+                raise nonfinite_error(runner, (list(prompt_ids) + generated)[:start], ids, masked, start)
             pick = select_positions(conf, cfg, step_in_block).tolist()
             for j in pick:
                 block[masked[j]] = int(tokens[j])
