@@ -82,6 +82,79 @@ def test_nested_generation_in_same_thread_is_an_error(tiny_engine):
     assert len(tiny_engine.generate([1, 2], max_new_tokens=2).token_ids) == 2  # released
 
 
+def test_a_busy_engine_is_waited_for_at_most_wait_seconds(tiny_engine):
+    from clover_lite.runtime.exclusive import EngineBusyError
+
+    stream = tiny_engine.stream([1, 2], max_new_tokens=8)
+    next(stream)  # another caller's stream holds the engine
+    result = {}
+
+    def other():
+        try:
+            tiny_engine.generate([3, 4], max_new_tokens=2, wait=0.3)
+        except EngineBusyError as e:
+            result["error"] = e
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(10)
+    assert "busy" in str(result["error"]) and "wait=" in str(result["error"])
+    list(stream)  # the first stream is unaffected
+    assert len(tiny_engine.generate([3, 4], max_new_tokens=2, wait=0).token_ids) == 2
+
+
+def test_an_abandoned_stream_releases_the_engine(tiny_engine):
+    expected = tiny_engine.generate([3, 4], max_new_tokens=4).token_ids
+    tiny_engine.abandon_after = 0.3
+    try:
+        left_open = tiny_engine.stream([1, 2], max_new_tokens=8)
+        next(left_open)  # advanced once, then forgotten (but still referenced)
+        got = {}
+        t = threading.Thread(target=lambda: got.update(out=tiny_engine.generate([3, 4], max_new_tokens=4, wait=10)))
+        t.start()
+        t.join(30)
+        assert got["out"].token_ids == expected  # taken over after 0.3 s, and the cache was the waiter's alone
+        with pytest.raises(GenerationError, match="left unadvanced"):
+            next(left_open)
+        dropped = tiny_engine.stream([1, 2], max_new_tokens=8)
+        next(dropped)
+        del dropped  # a dropped stream releases at once: no wait needed
+        assert tiny_engine.generate([3, 4], max_new_tokens=4, wait=0).token_ids == expected
+    finally:
+        tiny_engine.abandon_after = 60
+
+
+def test_a_computing_stream_is_never_taken_over():
+    from clover_lite.runtime.exclusive import EngineBusyError, OneAtATime
+
+    turns = OneAtATime(abandon_after=0.01)
+    turn = turns.acquire()
+    turns.advancing(turn)  # computing a step, however long it takes
+    done = {}
+    t = threading.Thread(target=lambda: done.update(r=pytest.raises(EngineBusyError, turns.acquire, 0.2)))
+    t.start()
+    t.join(10)
+    assert done["r"] and not turn.taken_over
+    turns.paused(turn)  # now it waits for its caller: idle time counts
+    threading.Event().wait(0.05)
+    t = threading.Thread(target=lambda: done.update(second=turns.acquire(1.0)))
+    t.start()
+    t.join(10)
+    assert turn.taken_over and done["second"] is not turn
+
+
+def test_a_string_prompt_is_a_user_message_unless_raw(tiny_engine):
+    e = tiny_engine
+    text = "sort: 5 3 9 1"
+    message = [{"role": "user", "content": text}]
+    assert e.tokenizer.has_chat_template
+    assert e.encode_prompt(text) == e.encode_prompt(message)
+    assert e.encode_prompt(text, raw=True) == e.tokenizer.encode(text)
+    assert e.generate(text, max_new_tokens=6).token_ids == e.generate(message, max_new_tokens=6).token_ids
+    raw = e.generate(text, max_new_tokens=6, raw=True).token_ids
+    assert raw == e.generate(e.tokenizer.encode(text), max_new_tokens=6).token_ids
+
+
 def test_prompt_errors(tiny_engine):
     with pytest.raises(GenerationError, match="context"):
         tiny_engine.generate([1] * 8000, max_new_tokens=500)

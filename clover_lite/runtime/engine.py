@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from clover_lite.errors import CloverError, GenerationError
 from clover_lite.kernels import dispatch
 from clover_lite.models.config import ModelConfig, load_config
 from clover_lite.models.denoiser import Denoiser
+from clover_lite.runtime.exclusive import OneAtATime
 from clover_lite.runtime.generation import CachedRunner, DoneEvent, Event, Generation, GenerationConfig, denoise
 from clover_lite.runtime.graph import MAX_STATIC_CONTEXT, StaticStep, use_static_step
 from clover_lite.tokenizer.incremental import IncrementalDecoder
@@ -70,8 +70,14 @@ class Engine:
     """A loaded model ready to generate.
 
     Thread-safety: an engine runs one generation at a time. A call from another thread while a
-    generation (or an open `stream`) is running waits for it to finish; a nested call from the thread
-    that is running one raises GenerationError (it would otherwise deadlock).
+    generation (or an open `stream`) is running waits for it to finish, at most `wait` seconds when given
+    (EngineBusyError after that); a stream its caller stopped advancing for `abandon_after` seconds gives
+    the engine to a waiting caller (runtime/exclusive.py). A nested call from the thread that is running
+    one raises GenerationError (it would otherwise deadlock).
+
+    Prompts: a string is a user message, sent through the model's chat template when it has one (as
+    `clover run` does); `raw=True` encodes it as is. Chat messages always use the template; token ids are
+    used as they are.
     """
 
     def __init__(
@@ -104,8 +110,7 @@ class Engine:
         self.eos_token_ids = list(dict.fromkeys(eos))
         self.default_config = GenerationConfig(block_size=self.config.block_size)
         self._choose = dispatch.chooser(getattr(model, "backend", "torch"))
-        self._lock = threading.Lock()
-        self._owner: int | None = None
+        self._turns = OneAtATime()
         self._cache, self._static = None, None
         if context is not None and context < 1:
             raise CloverError(f"context must be at least 1 position, got {context}")
@@ -139,6 +144,15 @@ class Engine:
         return self.model.embed_tokens.weight.device
 
     @property
+    def abandon_after(self) -> float:
+        """Seconds a stream may sit unadvanced before a waiting caller may take the engine (default 60)."""
+        return self._turns.abandon_after
+
+    @abandon_after.setter
+    def abandon_after(self, seconds: float) -> None:
+        self._turns.abandon_after = float(seconds)
+
+    @property
     def context_limit(self) -> int:
         """The most positions (prompt + reply) one generation may use: the fixed cache's capacity when the
         engine keeps one (its CUDA graph points at those buffers), else the context given at load, else the
@@ -149,11 +163,14 @@ class Engine:
         return min(limit, self._context) if self._context else limit
 
     # ---- prompts ----------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids for a prompt: a string (encoded as is), a list of token ids, or chat messages
-        (list of {"role", "content"} dicts, rendered with the model's chat template)."""
+    def encode_prompt(self, prompt: Prompt, add_generation_prompt: bool = True, raw: bool = False) -> list[int]:
+        """Token ids for a prompt: a string (a user message through the chat template when the model has
+        one; with `raw`, or without a template, encoded as is), a list of token ids, or chat messages (list
+        of {"role", "content"} dicts, rendered with the model's chat template)."""
         if isinstance(prompt, str):
-            return self._tokenizer_or_error().encode(prompt)
+            if raw or not self._tokenizer_or_error().has_chat_template:
+                return self._tokenizer_or_error().encode(prompt)
+            prompt = [{"role": "user", "content": prompt}]
         items = list(prompt)
         if items and all(isinstance(m, dict) for m in items):
             text = self._tokenizer_or_error().apply_chat_template(items, add_generation_prompt=add_generation_prompt)
@@ -184,55 +201,55 @@ class Engine:
             cfg = cfg.replace(**overrides)
         return cfg.resolved(self.config.block_size, self.config.max_position_embeddings)
 
-    def stream(self, prompt: Prompt, config: GenerationConfig | None = None, **overrides) -> Iterator[Event]:
-        """Yield a StepEvent per denoising step, a BlockEvent per finished block, then a DoneEvent."""
+    def stream(self, prompt: Prompt, config: GenerationConfig | None = None, *, raw: bool = False,
+               wait: float | None = None, **overrides) -> Iterator[Event]:
+        """Yield a StepEvent per denoising step, a BlockEvent per finished block, then a DoneEvent. `raw`:
+        a string prompt without the chat template; `wait`: the most seconds to wait for a busy engine."""
         cfg = self.resolve_config(config, **overrides)
-        ids = self.encode_prompt(prompt)
+        ids = self.encode_prompt(prompt, raw=raw)
         if self.mask_token_id is None:
             raise GenerationError(
                 "this model has no mask token (no 'mask_token_id' in config.json and none in the tokenizer); "
                 "pass load(..., mask_token_id=ID) for a block-diffusion checkpoint"
             )
-        return self._locked(ids, cfg)
+        return self._locked(ids, cfg, wait)
 
-    def _locked(self, ids: list[int], cfg: GenerationConfig) -> Iterator[Event]:
-        me = threading.get_ident()
-        if self._owner == me:
-            raise GenerationError(
-                "this engine is already generating in this thread; finish or close the running stream first"
+    def _locked(self, ids: list[int], cfg: GenerationConfig, wait: float | None) -> Iterator[Event]:
+        turn = self._turns.acquire(wait)
+        try:
+            runner = CachedRunner(self.model, cfg.block_size, commit=cfg.commit, cache=self._cache,
+                                  static_step=self._static)
+            limit = self.context_limit
+            events = denoise(
+                runner, ids, cfg, self.mask_token_id, self.eos_token_ids,
+                detokenizer=self.detokenizer(), max_length=limit,
+                context_note="" if limit >= self.config.max_position_embeddings else
+                f" (this engine's; the model's is {self.config.max_position_embeddings}: load with a longer "
+                "context, --context N, if memory allows)",
+                chooser=self._choose,
             )
-        with self._lock:
-            self._owner = me
             try:
-                runner = CachedRunner(self.model, cfg.block_size, commit=cfg.commit, cache=self._cache,
-                                      static_step=self._static)
-                limit = self.context_limit
-                events = denoise(
-                    runner, ids, cfg, self.mask_token_id, self.eos_token_ids,
-                    detokenizer=self.detokenizer(), max_length=limit,
-                    context_note="" if limit >= self.config.max_position_embeddings else
-                    f" (this engine's; the model's is {self.config.max_position_embeddings}: load with a longer "
-                    "context, --context N, if memory allows)",
-                    chooser=self._choose,
-                )
-                try:
-                    while True:
-                        # Triton launches on the current CUDA device, not the tensors' (cuda:1 would fail):
-                        # each advance runs with the model's device current, the caller's code between
-                        # events with its own.
-                        with on_device(self.device):
-                            event = next(events, None)
-                        if event is None:
-                            return
-                        yield event
-                finally:
-                    events.close()
+                while True:
+                    # Triton launches on the current CUDA device, not the tensors' (cuda:1 would fail):
+                    # each advance runs with the model's device current, the caller's code between
+                    # events with its own.
+                    self._turns.advancing(turn)
+                    with on_device(self.device):
+                        event = next(events, None)
+                    if event is None:
+                        return
+                    self._turns.paused(turn)
+                    yield event
             finally:
-                self._owner = None
+                events.close()
+        finally:
+            self._turns.release(turn)
 
-    def generate(self, prompt: Prompt, config: GenerationConfig | None = None, **overrides) -> Generation:
-        """Generate a reply to `prompt`; returns text, token ids, finish reason and stats."""
-        for event in self.stream(prompt, config, **overrides):
+    def generate(self, prompt: Prompt, config: GenerationConfig | None = None, *, raw: bool = False,
+                 wait: float | None = None, **overrides) -> Generation:
+        """Generate a reply to `prompt`; returns text, token ids, finish reason and stats (`raw`, `wait`: as
+        for `stream`)."""
+        for event in self.stream(prompt, config, raw=raw, wait=wait, **overrides):
             if isinstance(event, DoneEvent):
                 return event.generation
         raise RuntimeError("decoding ended without a result")
