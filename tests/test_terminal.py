@@ -42,3 +42,41 @@ def test_only_a_terminal_gets_the_stand_ins():
     raw = "x\x1b]0;title\x07y"
     assert for_stream(raw, io.StringIO()) == raw  # a pipe or file: byte-exact
     assert for_stream(raw, Tty()) == "x\u241b]0;title\u2407y"
+
+
+def test_clover_run_on_a_terminal_never_writes_control_bytes(tmp_path):
+    """A random tiny model writes ESC, BEL and NUL bytes: piped, they come through exactly; on a terminal
+    (stdout a pty) they are shown as stand-ins."""
+    import os
+    import subprocess
+    import sys
+
+    import clover_lite
+    from clover_lite.checkpoint.tiny import write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "m", seed=0)
+    args = [sys.executable, "-m", "clover_lite.cli.main", "run", str(model), "--raw", "--no-stats", "-n", "160",
+            "--device", "cpu", "zz"]
+    piped = subprocess.run(args, capture_output=True, timeout=300)
+    assert piped.returncode == 0, piped.stderr
+    expected = piped.stdout.decode()[:-1]  # a pipe gets the model's text as it is
+    assert expected == clover_lite.load(model, device="cpu").generate("zz", raw=True, max_new_tokens=160).text
+    assert any(_acts_on_a_terminal(ch) for ch in expected)  # the test has something to catch
+
+    leader, follower = os.openpty()
+    proc = subprocess.Popen(args, stdout=follower, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the pty closes with the process
+            break
+        if not chunk:
+            break
+        shown += chunk
+    assert proc.wait(300) == 0
+    os.close(leader)
+    text = shown.decode()
+    assert text.replace("\r\n", "\n") == terminal_safe(expected) + "\n"
+    assert not any(_acts_on_a_terminal(ch) for ch in text.replace("\r\n", "\n"))

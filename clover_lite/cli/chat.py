@@ -32,6 +32,7 @@ from clover_lite.cli.common import (
     load_with_progress,
     model_argument,
 )
+from clover_lite.cli.terminal import for_stream, terminal_safe
 from clover_lite.errors import CloverError, GenerationError
 from clover_lite.runtime.generation import DoneEvent, GenerationConfig, StepEvent
 
@@ -72,14 +73,6 @@ _FLOAT_FIELDS = {"threshold", "temperature", "top_p"}
 _NULLABLE = {"block_size", "steps_per_block", "seed"}  # "/set block default" goes back to the model's
 
 # Control characters other than newline and tab would move the cursor or worse: shown as U+FFFD.
-_CONTROL = {c: "\ufffd" for c in [*range(0, 9), *range(11, 32), 127, *range(128, 160)]}
-
-
-def visible(text: str) -> str:
-    """Text safe to print on a terminal: control characters other than newline and tab replaced."""
-    return text.translate(_CONTROL)
-
-
 # ---- the conversation --------------------------------------------------------------------------
 @dataclass
 class ReplyStats:
@@ -291,7 +284,7 @@ class PlainView:
 
     def reply_update(self, stable: str, tail: list[TailItem]) -> None:
         if len(stable) > self._shown:
-            self.out.write(visible(stable[self._shown :]))
+            self.out.write(for_stream(stable[self._shown :], self.out))
             self.out.flush()
             self._shown = len(stable)
 
@@ -363,20 +356,20 @@ class TerminalView:
         nl = pending.rfind("\n")
         if nl >= 0:
             for line in pending[:nl].split("\n"):
-                self.live.console.print(Text(visible(line).expandtabs(8)))
+                self.live.console.print(Text(terminal_safe(line).expandtabs(8)))
             self._flushed += nl + 1
         width = max(self.console.width, 20)
         current = stable[self._flushed :]
-        while cell_len(visible(current).expandtabs(8)) > width:
+        while cell_len(terminal_safe(current).expandtabs(8)) > width:
             cut, cells = 0, 0
             for i, ch in enumerate(current):
-                cells += cell_len(visible(ch).expandtabs(8))
+                cells += cell_len(terminal_safe(ch).expandtabs(8))
                 if cells > width:
                     break
                 cut = i + 1
             space = current.rfind(" ", 0, cut + 1)
             end = space if space > 0 else cut
-            self.live.console.print(Text(visible(current[:end]).expandtabs(8)))
+            self.live.console.print(Text(terminal_safe(current[:end]).expandtabs(8)))
             self._flushed += end + (1 if space > 0 else 0)
             current = stable[self._flushed :]
         return current
@@ -389,10 +382,10 @@ class TerminalView:
             return
         self._last_draw = now
         current = self._flush_lines(stable)
-        text = Text(visible(current).expandtabs(8))
+        text = Text(terminal_safe(current).expandtabs(8))
         for piece, committed in tail:
             if committed:
-                text.append(visible(piece).replace("\n", "\u21b5").replace("\t", " "), style="bold cyan")
+                text.append(terminal_safe(piece).replace("\n", "\u21b5").replace("\t", " "), style="bold cyan")
             else:
                 text.append(PLACEHOLDER, style="dim")
         self.live.update(text, refresh=True)

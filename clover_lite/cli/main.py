@@ -16,6 +16,7 @@ from clover_lite.cli.common import (
     load_with_progress,
     model_argument,
 )
+from clover_lite.cli.terminal import for_stream
 from clover_lite.errors import CloverError
 
 # Commands defined in other modules, imported when used (`clover --help` imports them all). Lazy, so that
@@ -101,14 +102,14 @@ def run(words, model_path, raw, system, device, dtype, context, stats, **decodin
         decoding["stop"] = tuple(decoding["stop"])
         streamer = TextStreamer(decoding["stop"])
         result = None
-        for event in engine.stream(request, **decoding):
+        for event in engine.stream(request, raw=not use_chat, **decoding):
             if isinstance(event, StepEvent):
                 chunk = streamer.feed(event.text)
-                if chunk:
-                    click.echo(chunk, nl=False)
+                if chunk:  # model text is untrusted: a terminal gets its control characters made visible
+                    click.echo(for_stream(chunk, sys.stdout), nl=False)
             elif isinstance(event, DoneEvent):
                 result = event.generation
-                click.echo(streamer.finish(result.text))
+                click.echo(for_stream(streamer.finish(result.text), sys.stdout))
     except CloverError as e:
         fail(e)
     if stats and result is not None:
