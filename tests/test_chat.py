@@ -249,3 +249,23 @@ def test_a_model_without_chat_template_gets_a_plain_transcript(tiny_dir, tmp_pat
     text = session.engine.tokenizer.decode(ids)
     assert text == "System: Be kind.\n\nUser: hi\n\nAssistant: hello\n\nUser: how are you?\n\nAssistant:"
     assert "\nUser:" in cfg.stop
+
+
+def test_ctrl_d_during_a_reply_stops_it_and_leaves(tiny_dir, tmp_path):
+    t = Terminal.spawn(clover_argv("chat", "--model", str(tiny_dir)), env=_env(tmp_path), rows=40, cols=100)
+    try:
+        t.expect(r">>> ", 60)
+        t.type("/set max 6000\r")
+        t.expect("max_new_tokens = 6000", 30)
+        t.expect(r">>> ", 30)
+        mark = len(t.output)
+        t.type("tell me a long story\r")
+        t.expect(PLACEHOLDER, 30, since=mark)
+        t.drain(0.3)
+        t.type(b"\x04")  # Ctrl-D while the reply streams: it stops at the next step and the chat ends
+        assert t.wait(30) == 0
+    finally:
+        t.close()
+    screen = t.screen.text()
+    assert "Traceback" not in screen and "interrupted" in screen
+    assert "6000 tokens" not in screen  # stopped early, not at the end of the reply

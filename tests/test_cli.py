@@ -80,7 +80,14 @@ def test_run_errors_are_one_line(tmp_path):
     r = clover("info", str(tmp_path))
     assert r.returncode == 1 and "unknown model_type 'gpt9'" in r.stderr
     r = clover("run", "--context", "6", "--raw", "a prompt longer than the context")  # the bundled model
-    assert r.returncode == 1 and r.stderr.startswith("error:") and "exceeds the context of 6 tokens" in r.stderr
+    assert r.returncode == 1 and r.stderr.startswith("error:") and "fills the 6-token context by itself" in r.stderr
+    # A prompt that fits gets a reply shortened to the room left, said on stderr, instead of a refusal.
+    r = clover("run", "--context", "40", "--raw", "-n", "256", "sort: 5 3 9 1")
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"the prompt is (\d+) tokens; the reply is limited to (\d+) tokens \(asked 256\) to fit the "
+                  r"40-token context", r.stderr)
+    assert m and int(m[1]) + int(m[2]) == 40, r.stderr
+    assert int(re.search(r"\[(\d+) tokens", r.stderr)[1]) <= int(m[2])
     r = clover("run", "--context", "0", "hi")
     assert r.returncode == 2 and "--context" in r.stderr
 

@@ -445,22 +445,68 @@ class InterruptGuard:
             signal.signal(signal.SIGINT, self._old)
 
 
+class EofWatch:
+    """While a reply streams on a terminal: Ctrl-D (end of input) stops the reply after the current step and
+    leaves the chat, as it does at the prompt. The terminal stays in its normal line mode, where Ctrl-D on
+    an empty line makes a read return nothing; whole lines typed ahead meanwhile are kept for the prompt."""
+
+    def __init__(self, fd: int | None):
+        self.fd = fd
+        self.seen = False
+        self.typed_ahead: list[str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _watch(self) -> None:
+        import select
+
+        while not self._stop.is_set():
+            ready, _, _ = select.select([self.fd], [], [], 0.05)
+            if not ready or self._stop.is_set():
+                continue
+            data = os.read(self.fd, 4096)
+            if not data:
+                self.seen = True
+                return
+            self.typed_ahead += data.decode("utf-8", "replace").splitlines()
+
+    def __enter__(self) -> EofWatch:
+        if self.fd is not None:
+            self._thread = threading.Thread(target=self._watch, name="clover-chat-eof", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
 # ---- the loop ----------------------------------------------------------------------------------
 class ChatLoop:
     """Reads lines with `read_line(prompt)` (raises EOFError at the end of input, KeyboardInterrupt on
     Ctrl-C), runs slash commands, and streams replies from the session's engine into `view`."""
 
-    def __init__(self, session: ChatSession, read_line: Callable[[str], str], view):
+    def __init__(self, session: ChatSession, read_line: Callable[[str], str], view, watch_fd: int | None = None):
+        """`watch_fd`: the terminal's input, watched for Ctrl-D during a reply (EofWatch); None: not watched."""
         self.session = session
         self.read_line = read_line
         self.view = view
+        self.watch_fd = watch_fd
+        self.typed_ahead: list[str] = []
+        self.leaving = False
+
+    def _next_line(self, prompt: str) -> str:
+        if self.typed_ahead:  # typed during the reply: already echoed by the terminal
+            return self.typed_ahead.pop(0)
+        return self.read_line(prompt)
 
     def read_message(self) -> str:
-        line = self.read_line(self.view.prompt())
+        line = self._next_line(self.view.prompt())
         parts = []
         while line.endswith("\\"):
             parts.append(line[:-1])
-            line = self.read_line(self.view.prompt(continuation=True))
+            line = self._next_line(self.view.prompt(continuation=True))
         parts.append(line)
         return "\n".join(parts)
 
@@ -485,6 +531,8 @@ class ChatLoop:
                 self.reply(text)
             except CloverError as e:
                 self.view.error(str(e))
+            if self.leaving:  # Ctrl-D during the reply
+                return 0
 
     def tail(self, event: StepEvent, prompt_len: int) -> list[TailItem]:
         """The current block from its first masked position on: placeholders and out-of-order commits."""
@@ -497,7 +545,8 @@ class ChatLoop:
         return [("", False) if t is None else (decode([t]), True) for t in block[start:]]
 
     def reply(self, user_text: str) -> ReplyStats:
-        """Stream one reply into the view and record it; Ctrl-C ends it early (the part shown is kept)."""
+        """Stream one reply into the view and record it; Ctrl-C ends it early (the part shown is kept), and so
+        does Ctrl-D, which then leaves the chat."""
         session = self.session
         ids, cfg = session.request(user_text)
         streamer = TextStreamer(cfg.stop)
@@ -506,7 +555,7 @@ class ChatLoop:
         t0 = time.perf_counter()
         self.view.reply_start()
         try:
-            with InterruptGuard() as guard:
+            with InterruptGuard() as guard, EofWatch(self.watch_fd) as eof:
                 events: Iterator = session.engine.stream(ids, cfg)
                 try:
                     for event in events:
@@ -519,12 +568,14 @@ class ChatLoop:
                             self.view.reply_update(streamer.printed, self.tail(event, len(ids)))
                         elif isinstance(event, DoneEvent):
                             result = event.generation
-                        if guard.requested and result is None:
+                        if (guard.requested or eof.seen) and result is None:
                             break
                 except KeyboardInterrupt:
                     pass
                 finally:
                     events.close()
+            self.typed_ahead += eof.typed_ahead
+            self.leaving = eof.seen
         except BaseException:
             self.view.reply_end(streamer.printed, None)
             raise
@@ -628,7 +679,7 @@ def chat(model, model_path, system, device, dtype, context, plain, **decoding) -
         view = PlainView(sys.stdout, sys.stderr, prompts=sys.stdin.isatty())
         read = _plain_input(sys.stderr if sys.stdin.isatty() else None)
     view.banner(banner(engine))
-    code = ChatLoop(session, read, view).run()
+    code = ChatLoop(session, read, view, watch_fd=sys.stdin.fileno() if interactive else None).run()
     if interactive:
         view.console.print()
     sys.exit(code)

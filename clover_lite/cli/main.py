@@ -17,7 +17,7 @@ from clover_lite.cli.common import (
     model_argument,
 )
 from clover_lite.cli.terminal import for_stream
-from clover_lite.errors import CloverError
+from clover_lite.errors import CloverError, GenerationError
 
 # Commands defined in other modules, imported when used (`clover --help` imports them all). Lazy, so that
 # `clover run` does not pay for importing the chat UI, the benchmark or the quantizer.
@@ -100,9 +100,11 @@ def run(words, model_path, raw, system, device, dtype, context, stats, **decodin
         else:
             request = prompt
         decoding["stop"] = tuple(decoding["stop"])
+        ids = engine.encode_prompt(request, raw=not use_chat)
+        decoding["max_new_tokens"] = fit_reply(len(ids), decoding["max_new_tokens"], engine.context_limit)
         streamer = TextStreamer(decoding["stop"])
         result = None
-        for event in engine.stream(request, raw=not use_chat, **decoding):
+        for event in engine.stream(ids, **decoding):
             if isinstance(event, StepEvent):
                 chunk = streamer.feed(event.text)
                 if chunk:  # model text is untrusted: a terminal gets its control characters made visible
@@ -120,6 +122,20 @@ def run(words, model_path, raw, system, device, dtype, context, stats, **decodin
             f"finish: {result.finish_reason}]",
             err=True,
         )
+
+
+def fit_reply(prompt_tokens: int, asked: int, context: int) -> int:
+    """The reply length that fits the context after the prompt (said on stderr when it is less than asked);
+    only a prompt that fills the context by itself is refused."""
+    room = context - prompt_tokens
+    if room < 1:
+        raise GenerationError(f"the prompt ({prompt_tokens} tokens) fills the {context}-token context by itself; "
+                              "shorten it (or load with a longer --context if the model allows)")
+    if asked > room:
+        click.echo(f"note: the prompt is {prompt_tokens} tokens; the reply is limited to {room} tokens (asked "
+                   f"{asked}) to fit the {context}-token context", err=True)
+        return room
+    return asked
 
 
 def _count(n: int) -> str:
