@@ -137,3 +137,17 @@ def test_quantize_eval_run(tmp_path):
     assert r.returncode == 0, r.stderr
     r = clover("quantize", str(src), str(tmp_path / "bad"), "--group-size", "48")
     assert r.returncode == 1 and "group size 48" in r.stderr
+
+
+def test_info_defaults_to_the_bundled_model_and_labels_its_format():
+    from click.testing import CliRunner
+
+    from clover_lite.cli.main import main
+
+    outs = []
+    for args in (["info", "--json"], ["info", "clover-tiny", "--json"]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 0, r.output
+        outs.append(json.loads(r.output))
+    assert outs[0] == outs[1] and outs[0]["model"] == "clover-tiny"
+    assert outs[0]["quant"] == "fp16"  # its weights are stored fp16 (config.json says so), not bf16

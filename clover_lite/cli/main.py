@@ -165,7 +165,7 @@ def layer_pattern(layer_types: tuple[str, ...]) -> str:
 
 
 @main.command()
-@click.argument("path")
+@click.argument("path", required=False)
 @click.option("--gpu", "gpus", multiple=True,
               help="A card to check (rtx3090, rtx4090, rtx5090, h200, gb300; repeatable): says what to change "
                    "if the model does not fit. Default: a fit table for every known card.")
@@ -179,7 +179,8 @@ def layer_pattern(layer_types: tuple[str, ...]) -> str:
 def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> None:
     """A model's architecture, parameters and memory plan (nothing is loaded).
 
-    PATH is a model directory or a named config (tiny, clover-35b-a3b). The memory plan counts weights by
+    PATH is a model directory, a named config (tiny, clover-35b-a3b) or clover-tiny, the bundled model (the
+    default). The memory plan counts weights by
     format, the KV cache and GDN state at --context tokens, an activation-workspace estimate, the logits
     buffer and the CUDA context, and says on which known cards the model fits."""
     import json
@@ -192,9 +193,12 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
     from clover_lite.models.config import load_config
     from clover_lite.models.denoiser import Denoiser
     from clover_lite.planning import devices, memory, named_configs, planner
+    from clover_lite.runtime.engine import BUNDLED_MODEL, default_model_path
 
-    named = not Path(path).exists() and path in named_configs.NAMED_CONFIGS
     try:
+        if path is None or (path == BUNDLED_MODEL.name and not Path(path).exists()):
+            path = str(default_model_path())
+        named = not Path(path).exists() and path in named_configs.NAMED_CONFIGS
         config = named_configs.named_config(path) if named else load_config(path)
         with torch.device("meta"):
             model = Denoiser(config)
@@ -206,7 +210,9 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
             dtypes = sorted({i.dtype for f in files for i in read_header(f).values()})
             size = sum(f.stat().st_size for f in files)
             ckpt_quant = read_quant_config(Path(path))
-        schemes = [memory.parse_quant(q) for q in quants] or [memory.parse_quant(ckpt_quant)]
+        # A 16-bit checkpoint's format is the dtype its config declares.
+        stored = ckpt_quant or memory.DTYPE_NAMES.get(str(config.torch_dtype or "").replace("torch.", ""))
+        schemes = [memory.parse_quant(q) for q in quants] or [memory.parse_quant(stored)]
         if quantize_lm_head:
             schemes = [s.replace(lm_head=True) if s.quantized else s for s in schemes]
         cards = [devices.normalize_gpu_name(g) or g for g in gpus]
