@@ -154,6 +154,7 @@ def test_settings_are_validated_with_clear_messages(tiny_engine):
     assert session.command("/set temp 0.7").text == "temperature = 0.7"
     assert session.command("/set max 64").text == "max_new_tokens = 64"
     for cmd, msg in [("/set threshold abc", "threshold expects a number, got 'abc'"),
+                     ("/set threshold 2", "threshold must be in [0, 1]"),
                      ("/set max 1.5", "max expects a whole number"),
                      ("/set block 0", "block_size must be >= 1"),
                      ("/set temperature -2", "temperature must be >= 0"),
