@@ -235,3 +235,15 @@ def test_reference_forward_is_engine_model(tiny_engine):
     with torch.no_grad():
         logits = tiny_engine.model(ids, block_size=4)
     assert logits.shape == (1, 6, tiny_engine.config.vocab_size) and logits.dtype == torch.float32
+
+
+def test_a_model_that_barely_fits_the_ram_is_loaded_with_a_note(tiny_dir, monkeypatch):
+    from clover_lite.planning import devices
+    from clover_lite.planning.planner import LOAD_CHECK_CONTEXT, plan
+
+    need = plan(tiny_dir, None, LOAD_CHECK_CONTEXT, "cpu", dtype="fp32").total
+    monkeypatch.setattr(devices, "available_ram", lambda: int(need * 1.1))
+    notes = clover_lite.load(tiny_dir, device="cpu").load_report.notes
+    assert any(n.startswith("memory: this needs about") for n in notes), notes
+    monkeypatch.setattr(devices, "available_ram", lambda: need * 10)
+    assert not any(n.startswith("memory:") for n in clover_lite.load(tiny_dir, device="cpu").load_report.notes)

@@ -287,7 +287,7 @@ def load(
     config = load_config(model_path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    fits = None
+    fits, p = None, None
     if check_memory:
         from clover_lite.planning.planner import check_load
 
@@ -298,6 +298,12 @@ def load(
             fits = min(config.max_position_embeddings, MAX_STATIC_CONTEXT, p.max_context(p.target.capacity))
     model, report = load_model(model_path, config, dev, dt, progress, kernels=kernels,
                                check_finite=check_finite)
+    if check_memory and p is not None and dev.type == "cpu":
+        from clover_lite.planning.planner import ram_warning
+
+        warning = ram_warning(p)  # weights that fit but leave little room: said, not refused
+        if warning:
+            report.notes.append(f"memory: {warning} (planned at {p.context_len} positions)")
     tokenizer = None
     if any((model_path / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
         tokenizer = Tokenizer.from_dir(model_path)
