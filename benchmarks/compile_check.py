@@ -29,10 +29,11 @@ from clover_lite.kernels import attention as attn_k  # noqa: E402
 from clover_lite.kernels import configs, mma_layout  # noqa: E402
 from clover_lite.kernels import gdn as gdn_k  # noqa: E402
 from clover_lite.kernels import gdn_prep as prep_k  # noqa: E402
+from clover_lite.kernels import int4_gemm as gemm_k  # noqa: E402
+from clover_lite.kernels import int4_gemv as gemv_k  # noqa: E402
 from clover_lite.kernels import moe_route as route_k  # noqa: E402
 from clover_lite.kernels import norm as norm_k  # noqa: E402
 from clover_lite.kernels import sampling as samp_k  # noqa: E402
-from clover_lite.kernels import w4a16 as w4_k  # noqa: E402
 
 FLOAT_SCALARS = {"qk_scale", "inv_temp"}
 
@@ -164,7 +165,7 @@ def cases(arch: str, quick: bool):
                               SUM_IN_KERNEL=g.split_k > 1 and not fused and g.sum_in_kernel, **flags)
                 # (as the launcher sets it: the MoE's gate/up has no split; split partials summed by the last split)
                 out = "*fp32" if g.split_k > 1 and not fused else act
-                yield (f"w4a16 gemm M<={m} {label}{' g_idx' if gidx else ''}", w4_k._gemm_kernel,
+                yield (f"w4a16 gemm M<={m} {label}{' g_idx' if gidx else ''}", gemm_k._gemm_kernel,
                        int4_pointers(act, out), consts, g.num_warps, g.num_stages,
                        g.smem_bytes(gathered=gidx, fused=fused))
                 if not gidx:  # the modules' weights, repacked in the MMA order this Triton's dot takes
@@ -174,7 +175,7 @@ def cases(arch: str, quick: bool):
                     fp32s = (False, True) if m == 16 and label == "dense" else (False,)
                     for fp32, swap in itertools.product(fp32s, (False, True)):
                         yield (f"w4a16 gemm M<={m} {label} mma{' fp32' if fp32 else ''}{' swap' if swap else ''}",
-                               w4_k._gemm_kernel, int4_pointers(*(("*fp32", "*fp32") if fp32 else (act, out))),
+                               gemm_k._gemm_kernel, int4_pointers(*(("*fp32", "*fp32") if fp32 else (act, out))),
                                dict(consts, BLOCK_K=mg.block_k, PLANES=False, DOT_IEEE=fp32,
                                     MMA_ORDER=mma_layout.kernel_order(), MMA_SWAP=swap),
                                mg.num_warps, mg.num_stages, mg.smem_bytes(act_bytes=4 if fp32 else 2, fused=fused))
@@ -185,7 +186,7 @@ def cases(arch: str, quick: bool):
                       HAS_GIDX=False, FUSE_GATE_UP=fused, HAS_ROW_SCALE=bool(label) and not fused, PARTIAL=partial,
                       EVEN_K=True, MMA_ORDER=0, SUM_IN_KERNEL=partial and not label and g.sum_in_kernel)
         for order in (0, mma_layout.kernel_order()):
-            yield (f"w4a16 gemv{label}{' mma' if order else ''}", w4_k._gemv_kernel,
+            yield (f"w4a16 gemv{label}{' mma' if order else ''}", gemv_k._gemv_kernel,
                    int4_pointers(act, "*fp32" if partial else act), dict(consts, MMA_ORDER=order), g.num_warps,
                    g.num_stages, g.smem_bytes())
     # The MoE's routing glue (moe_route.py), at Clover's 256 experts, top-8, 2048 columns.

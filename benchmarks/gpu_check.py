@@ -57,15 +57,11 @@ def check_w4a16(device, gen, smoke) -> str:
     from dataclasses import replace
 
     from clover_lite.kernels import mma_layout
-    from clover_lite.kernels.w4a16 import (
-        Int4Weights,
-        fill_split,
-        gemm,
-        gemm_config_for,
-        gemv,
-        w4a16_matmul,
-        w4a16_matmul_reference,
-    )
+    from clover_lite.kernels.int4_gemm import gemm
+    from clover_lite.kernels.int4_gemv import gemv
+    from clover_lite.kernels.int4_launch import fill_split, gemm_config_for
+    from clover_lite.kernels.int4_weights import Int4Weights
+    from clover_lite.kernels.w4a16 import w4a16_matmul, w4a16_matmul_reference
 
     shapes = ([(64, 40, 32), (128, 40, 128)] if smoke else
               [(2048, 512, 128), (512, 2048, 128), (4096, 2048, 128), (2048, 8192, 64)])
@@ -111,8 +107,8 @@ def check_w4a16(device, gen, smoke) -> str:
 
 
 def check_moe(device, gen, smoke) -> str:
+    from clover_lite.kernels.int4_weights import Int4Weights
     from clover_lite.kernels.moe import fused_moe
-    from clover_lite.kernels.w4a16 import Int4Weights
     from clover_lite.models.moe import dispatch
     from clover_lite.quant.pack import dequantize
 
@@ -464,16 +460,19 @@ def _check_norm_rotary_residual(device, gen, dt, smoke) -> float:
 
 
 def check_split_sum(device, gen, smoke) -> str:
-    """Split-K partials summed by each tile's last split (w4a16._last_split_sums, an atomic counter per tile):
+    """Split-K partials summed by each tile's last split (int4_split_k.last_split_sums, an atomic counter per tile):
     equal to _sum_splits' separate launch, the same result on every one of many repeated launches (a missed
     ordering between the splits would show as a launch that read a partial before it was written), and every
     counter back at zero after them. GEMM and GEMV, fused gate/up too, the modules' MMA order."""
     from dataclasses import replace
 
     from clover_lite.kernels import configs, mma_layout
-    from clover_lite.kernels.w4a16 import Int4Weights, _arch, gemm, gemm_config_for, gemv
+    from clover_lite.kernels.int4_gemm import gemm
+    from clover_lite.kernels.int4_gemv import gemv
+    from clover_lite.kernels.int4_launch import device_arch, gemm_config_for
+    from clover_lite.kernels.int4_weights import Int4Weights
 
-    arch = _arch(device)
+    arch = device_arch(device)
     shapes = [(128, 40, 32)] if smoke else [(2048, 8192, 128), (4096, 2048, 128), (2048, 512, 128)]
     dt = torch.float32 if device.type == "cpu" else torch.bfloat16
     repeats = 2 if smoke else 40

@@ -163,14 +163,18 @@ def int4_bytes(K: int, N: int, group: int) -> int:
 def mma_weights(w: dict):
     """Int4Weights of random_int4's tensors rearranged in the MMA order this Triton's dot takes (a copy)."""
     from clover_lite.kernels import mma_layout
-    from clover_lite.kernels.w4a16 import Int4Weights
+    from clover_lite.kernels.int4_weights import Int4Weights
 
     return Int4Weights(**w).in_mma_order(mma_layout.kernel_order())
 
 
 def bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4: bool, on_row) -> None:
     from clover_lite.kernels import mma_layout
-    from clover_lite.kernels.w4a16 import Int4Weights, fill_split, gemm, gemm_config_for, gemv, w4a16_matmul
+    from clover_lite.kernels.int4_gemm import gemm
+    from clover_lite.kernels.int4_gemv import gemv
+    from clover_lite.kernels.int4_launch import fill_split, gemm_config_for
+    from clover_lite.kernels.int4_weights import Int4Weights
+    from clover_lite.kernels.w4a16 import w4a16_matmul
 
     bnb = None
     if with_nf4:
@@ -231,8 +235,8 @@ def bench_dense(shapes, ms, device, dtype, group, reps, bw, with_nf4: bool, on_r
 
 
 def bench_moe(ms, device, dtype, group, reps, bw, on_row, hidden, inter, experts, top_k) -> None:
+    from clover_lite.kernels.int4_weights import Int4Weights
     from clover_lite.kernels.moe import fused_moe
-    from clover_lite.kernels.w4a16 import Int4Weights
 
     parts = [random_int4(k, n, group, device, experts) for k, n in ((hidden, inter), (hidden, inter), (inter, hidden))]
     gate, up, down = (Int4Weights(**p) for p in parts)

@@ -111,24 +111,26 @@ def host_time(reps: int = 5, calls: int = 400) -> dict[str, float]:
     import importlib.util
     import time
 
-    from clover_lite.kernels import w4a16
+    from clover_lite.kernels import int4_gemm, int4_gemv, int4_split_k, w4a16
+    from clover_lite.kernels.int4_weights import Int4Weights
 
     spec = importlib.util.spec_from_file_location("clover_bench_kernels", Path(__file__).parent / "kernels.py")
     kb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kb)
     K = 2048
     t = kb.random_int4(K, 512, 128, "cpu")  # the kernel benchmark's random GPTQ tensors
-    w = w4a16.Int4Weights(**t)
+    w = Int4Weights(**t)
     x1, x16 = torch.randn(1, K), torch.randn(16, K)
     cases = {"w4a16_matmul M=1": lambda: w4a16.w4a16_matmul(x1, **t),
              "w4a16_matmul M=16": lambda: w4a16.w4a16_matmul(x16, **t),
-             "gemv, prepared, M=1": lambda: w4a16.gemv(x1, w), "gemm, prepared, M=16": lambda: w4a16.gemm(x16, w)}
-    names = ("_gemm_kernel", "_gemv_kernel", "_sum_splits_kernel")
-    saved = {n: getattr(w4a16, n) for n in names}
+             "gemv, prepared, M=1": lambda: int4_gemv.gemv(x1, w),
+             "gemm, prepared, M=16": lambda: int4_gemm.gemm(x16, w)}
+    kernels = ((int4_gemm, "_gemm_kernel"), (int4_gemv, "_gemv_kernel"), (int4_split_k, "_sum_splits_kernel"))
+    saved = {(m, n): getattr(m, n) for m, n in kernels}
     out = {}
     try:
-        for n in names:
-            setattr(w4a16, n, _NoLaunch())
+        for m, n in kernels:
+            setattr(m, n, _NoLaunch())
         for label, fn in cases.items():
             rounds = []
             for _ in range(reps + 1):  # the first round warms up
@@ -138,8 +140,8 @@ def host_time(reps: int = 5, calls: int = 400) -> dict[str, float]:
                 rounds.append((time.perf_counter() - t0) / calls)
             out[label] = 1e6 * min(rounds[1:])
     finally:
-        for n, k in saved.items():
-            setattr(w4a16, n, k)
+        for (m, n), k in saved.items():
+            setattr(m, n, k)
     return out
 
 

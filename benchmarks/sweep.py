@@ -35,13 +35,10 @@ kb = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(kb)
 
 from clover_lite.kernels import configs  # noqa: E402
-from clover_lite.kernels.w4a16 import (  # noqa: E402
-    Int4Weights,
-    fill_split,
-    gemm,
-    gemm_config_for,
-    w4a16_matmul_reference,
-)
+from clover_lite.kernels.int4_gemm import gemm  # noqa: E402
+from clover_lite.kernels.int4_launch import fill_split, gemm_config_for  # noqa: E402
+from clover_lite.kernels.int4_weights import Int4Weights  # noqa: E402
+from clover_lite.kernels.w4a16 import w4a16_matmul_reference  # noqa: E402
 
 # (name, K, N, calls per denoising step at Clover-35B-A3B)
 STEP_SHAPES = [

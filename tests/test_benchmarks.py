@@ -431,11 +431,11 @@ def test_launch_count_of_a_step_has_no_elementwise_glue_in_the_layers():
     adds = [row for row in r["torch"] if row["line"].startswith("models/") and row["op"] == "add"]
     assert not adds, adds
     # The host-time probe stubs the INT4 launches and puts them back.
-    from clover_lite.kernels import w4a16
+    from clover_lite.kernels import int4_gemm
 
-    kernel = w4a16._gemm_kernel
+    kernel = int4_gemm._gemm_kernel
     host = script["host_time"](reps=1, calls=3)
-    assert len(host) == 4 and all(v > 0 for v in host.values()) and w4a16._gemm_kernel is kernel
+    assert len(host) == 4 and all(v > 0 for v in host.values()) and int4_gemm._gemm_kernel is kernel
 
 
 def test_host_overhead_benchmark_table(tmp_path, monkeypatch, capsys):

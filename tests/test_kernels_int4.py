@@ -10,9 +10,13 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from clover_lite.kernels import configs, dispatch, w4a16  # noqa: E402
+from clover_lite.kernels import configs, dispatch, int4_gemm, int4_weights  # noqa: E402
+from clover_lite.kernels.int4_dequant import biased_planes16, nibble_planes  # noqa: E402
+from clover_lite.kernels.int4_gemm import gemm  # noqa: E402
+from clover_lite.kernels.int4_gemv import gemv  # noqa: E402
+from clover_lite.kernels.int4_weights import Int4Weights  # noqa: E402
 from clover_lite.kernels.moe import fused_moe  # noqa: E402
-from clover_lite.kernels.w4a16 import Int4Weights, _biased_planes16, _nibble_planes, gemm, gemv, w4a16_matmul  # noqa: E402
+from clover_lite.kernels.w4a16 import w4a16_matmul  # noqa: E402
 from clover_lite.models.moe import dispatch as moe_reference  # noqa: E402
 from clover_lite.quant.pack import pack_qweight, pack_qzeros  # noqa: E402
 
@@ -90,7 +94,7 @@ def test_gemm_tiles_ragged_k_and_split_k(split_k, act_order, fused):
 @pytest.mark.parametrize("kernel", ["gemm", "gemv"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_split_k_summed_by_the_last_split_equals_the_separate_sum(kernel, fused):
-    """The last split of each output tile sums the tile's partials in the kernel (w4a16._last_split_sums):
+    """The last split of each output tile sums the tile's partials in the kernel (int4_split_k.last_split_sums):
     the same values, bit for bit, as _sum_splits' launch after the kernel, and float64's within rounding; the
     tiles' counters are back at zero after every launch, so calls on the same weights with other grids (more
     rows, more tiles: the counters grow) and other splits reuse them. Under the memory check, the last split
@@ -130,7 +134,7 @@ def test_split_counters_are_not_replaced_while_a_graph_is_captured(monkeypatch):
     x = torch.randn(17, 128, generator=GEN)
     gemm(x[:5], wt, config=cfg)  # one row tile x 2 column tiles
     kept = wt._tile_done
-    monkeypatch.setattr(w4a16, "_capturing", lambda t: True)
+    monkeypatch.setattr(int4_weights, "_capturing", lambda t: True)
     y = gemm(x, wt, config=cfg)  # two row tiles: more counters than the weights hold
     assert wt._tile_done is kept and kept.numel() == 2 and not wt._outgrown
     torch.testing.assert_close(y.double(), x.double() @ w.t(), atol=1e-4, rtol=1e-4)
@@ -178,8 +182,8 @@ def test_gemm_nibble_planes(K, group, split, variant, dtype):
 def _planes_kernel(w_ptr, out16_ptr, out32_ptr, DTYPE: tl.constexpr):
     offs = tl.arange(0, 64)
     words = tl.load(w_ptr + offs)
-    p16 = _biased_planes16(words, DTYPE)
-    p32 = _nibble_planes(words, 0)
+    p16 = biased_planes16(words, DTYPE)
+    p32 = nibble_planes(words, 0)
     for J in tl.static_range(8):
         tl.store(out16_ptr + J * 64 + offs, p16[J].to(tl.int16, bitcast=True))
         tl.store(out32_ptr + J * 64 + offs, p32[J])
@@ -203,7 +207,7 @@ def test_nibble_planes_are_exact(dtype, bias):
 
 def spy_gemm_launches(monkeypatch, flag: str) -> list:
     """The value of constexpr `flag` at every GEMM launch from here on (the kernel still runs)."""
-    launched, real = [], w4a16._gemm_kernel
+    launched, real = [], int4_gemm._gemm_kernel
 
     class Spy:
         def __getitem__(self, grid):
@@ -212,7 +216,7 @@ def spy_gemm_launches(monkeypatch, flag: str) -> list:
                 return real[grid](*args, **kw)
             return launch
 
-    monkeypatch.setattr(w4a16, "_gemm_kernel", Spy())
+    monkeypatch.setattr(int4_gemm, "_gemm_kernel", Spy())
     return launched
 
 
@@ -496,7 +500,7 @@ def test_dispatch_choice(monkeypatch):
 
 
 def test_autotune_keeps_the_fastest_working_config():
-    from clover_lite.kernels import w4a16
+    from clover_lite.kernels.int4_launch import autotune
 
     cands = [configs.GemmConfig(16, 64, 64, s) for s in (1, 2, 4)]
     times = {1: 3.0, 2: 1.0, 4: 2.0}
@@ -507,8 +511,8 @@ def test_autotune_keeps_the_fastest_working_config():
         return cfg
 
     seen = []
-    best = w4a16.autotune(("test", 1), cands, run, measure=lambda fn: (seen.append(fn()), times[seen[-1].split_k])[1])
-    assert best.split_k == 2 and w4a16.autotune(("test", 1), cands, run) is best  # cached: not measured again
+    best = autotune(("test", 1), cands, run, measure=lambda fn: (seen.append(fn()), times[seen[-1].split_k])[1])
+    assert best.split_k == 2 and autotune(("test", 1), cands, run) is best  # cached: not measured again
 
 
 def _quant_linear(t, K, N, group, stack=None):

@@ -9,8 +9,10 @@ import torch
 pytest.importorskip("triton")
 
 from clover_lite.kernels import configs, dispatch, mma_layout  # noqa: E402
+from clover_lite.kernels.int4_gemm import gemm  # noqa: E402
+from clover_lite.kernels.int4_gemv import gemv  # noqa: E402
+from clover_lite.kernels.int4_weights import Int4Weights  # noqa: E402
 from clover_lite.kernels.moe import fused_moe  # noqa: E402
-from clover_lite.kernels.w4a16 import Int4Weights, gemm, gemv  # noqa: E402
 from clover_lite.models.moe import dispatch as moe_reference  # noqa: E402
 from clover_lite.quant.pack import unpack_qweight  # noqa: E402
 

@@ -84,11 +84,11 @@ def test_sampling_with_kernels_is_seeded(tiny2_dir):
 def _as_on_gpu(monkeypatch, arch: str) -> None:
     """Every kernel launcher takes what it would on the named GPU with 132 SMs (its table's tiles, split-K
     filling the SMs, the MoE GEMV's entry), still run by the interpreter."""
-    from clover_lite.kernels import attention, w4a16
+    from clover_lite.kernels import attention, int4_launch
 
-    for module in (w4a16, attention):
-        monkeypatch.setattr(module, "_arch", lambda device: arch)
-    monkeypatch.setattr(w4a16, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(int4_launch, "device_arch", lambda device: arch)
+    monkeypatch.setattr(attention, "_arch", lambda device: arch)
+    monkeypatch.setattr(int4_launch, "sm_count", lambda index: 132)
     monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
 
 

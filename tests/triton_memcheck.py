@@ -9,7 +9,7 @@ three kinds of bug pass unseen there and fail on a GPU (docs/ARCHITECTURE.md sec
   two programs, or stored by one and loaded by another, unless an atomic orders the two: the storing
   program releases (an atomic with release semantics, after the store and a barrier) the same address the
   loading one acquires (before a barrier and the load), and the release came first. That is how the
-  split-K GEMM's last split reads the others' partials (w4a16._last_split_sums); atomics never race.
+  split-K GEMM's last split reads the others' partials (int4_split_k.last_split_sums); atomics never race.
 - a race inside one program: its threads are not ordered either, so a program that loads an address it
   stored must have a barrier (tl.debug_barrier()) between the two, as the split-K sum has before it reads
   its own partial back.

@@ -41,8 +41,8 @@ class GemmConfig:
     # Weights in the MMA order: compute out^T = W^T x^T, the weights as the dot's first operand (see
     # mma_swap). None: mma_swap's rule; True/False: forced (the sweep, tests).
     swap: bool | None = None
-    # Split K: the last split of each output tile sums the partials (w4a16._last_split_sums, a counter per
-    # tile) instead of a second launch (_sum_splits) after every split GEMM.
+    # Split K: the last split of each output tile sums the partials (int4_split_k.last_split_sums, a counter
+    # per tile) instead of a second launch (int4_split_k._sum_splits) after every split GEMM.
     sum_in_kernel: bool = True
 
     def smem_bytes(self, act_bytes: int = 2, gathered: bool = False, fused: bool = False) -> int:
@@ -85,7 +85,7 @@ def _gemm(bm: int, bn: int, bk: int, sk: int, w: int, st: int, planes: bool = Tr
 # (arch, M bucket) -> GEMM config. Small M: narrow N tiles and split-K so that even a 2048 x 512 expert
 # projection launches a few hundred programs; large M: wider tiles, fewer splits. GeForce parts (sm_86,
 # sm_89, sm_120) have ~100 KB of shared memory, hence fewer stages. BLOCK_K 128 (up to M = 32 on GeForce,
-# M = 64 on sm_90/100) takes the nibble-plane path (w4a16._plane_tile_product): at M <= 32 on sm_86,
+# M = 64 on sm_90/100) takes the nibble-plane path (int4_gemm._plane_tile_product): at M <= 32 on sm_86,
 # BLOCK_K 64 compiled to 13.4 instructions and 1.6 int-to-float conversions per weight, more than a 3090
 # issues at its bandwidth; 128 with planes, 8.7 and none; sm_90 at M <= 64: 15.3 -> 11.7. At M <= 64 planes
 # cost sm_86 18% more (benchmarks/RESULTS.md, 2026-12-03).
@@ -175,7 +175,7 @@ MMA_SWAP_EVERY_M = {4: ("sm_90", "sm_100")}
 
 
 def mma_swap(cfg: GemmConfig, arch: str | None, order: int, fp32: bool = False) -> bool:
-    """Whether a GEMM on weights in the MMA order `order` runs with swapped operands (w4a16._mma_tile_product:
+    """Whether a GEMM on weights in the MMA order `order` runs with swapped operands (int4_gemm._mma_tile_product:
     W^T x^T, the weights as the first operand): the config's choice if it makes one; else on a GPU, for
     tiles of more than 32 rows, at every M on the architectures of MMA_SWAP_EVERY_M for this order, and
     always for fp32 activations (IEEE dots without tensor cores: as is, sm_86 and sm_90 spilled 3-9 KB a
@@ -324,7 +324,8 @@ class KernelChanges:
 
     mma_order: bool  # INT4 words rearranged at load into the tensor cores' operand order (mma_layout.py);
     # swapped operands (mma_swap) apply only to weights in that order, so this switches them too
-    sum_in_kernel: bool  # the last K split of each tile sums the partials in the same launch (_last_split_sums)
+    sum_in_kernel: bool  # the last K split of each tile sums the partials in the same launch
+    # (int4_split_k.last_split_sums)
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,12 @@ from clover_lite.kernels.attention import block_attention
 from clover_lite.kernels.configs import ATTENTION_MAX_BLOCK_LEN
 from clover_lite.kernels.gdn import gdn_chunked
 from clover_lite.kernels.gdn_prep import gdn_prepare
+from clover_lite.kernels.int4_gemm import gemm
+from clover_lite.kernels.int4_gemv import gemv
+from clover_lite.kernels.int4_weights import Int4Weights, check_pair
 from clover_lite.kernels.moe import fused_moe
 from clover_lite.kernels.moe_route import topk_softmax
 from clover_lite.kernels.norm import rms_norm
-from clover_lite.kernels.w4a16 import Int4Weights, _check_pair, gemm, gemv
 from clover_lite.models.attention import GatedAttention
 from clover_lite.models.denoiser import Denoiser
 from clover_lite.models.gdn import GatedDeltaNet
@@ -125,7 +127,7 @@ def fused_gate_up(gate: nn.Module, up: nn.Module) -> tuple[Int4Weights, Int4Weig
     if g.E != 1:
         return None
     try:
-        _check_pair(g, u)
+        check_pair(g, u)
     except ValueError:
         return None
     return g, u

@@ -17,8 +17,11 @@ from dataclasses import replace
 import torch
 
 from clover_lite.kernels import configs
+from clover_lite.kernels.int4_gemm import gemm
+from clover_lite.kernels.int4_gemv import gemv
+from clover_lite.kernels.int4_launch import fill_split, gemm_config_for
+from clover_lite.kernels.int4_weights import Int4Weights
 from clover_lite.kernels.moe_route import combine, sort_pairs
-from clover_lite.kernels.w4a16 import Int4Weights, fill_split, gemm, gemm_config_for, gemv
 
 
 def align_by_expert(sorted_expert: torch.Tensor, num_experts: int, block_m: int):
