@@ -1,4 +1,5 @@
-"""The readers' fuzz targets: each takes one mutated file and checks that reading it either works or raises
+"""The readers' fuzz targets (config.json, tokenizer.json, tokenizer_config.json, the chat template, the safetensors
+header, quantize_config.json): each takes one mutated file and checks that reading it either works or raises
 clover-lite's own error, never another exception. Run boundedly by tests/test_fuzz_readers.py and at
 length by benchmarks/fuzz_readers.py."""
 
@@ -48,10 +49,21 @@ class Target:
     """One file of a model directory, mutated `cases` times and read each time with `read`."""
 
     def __init__(self, name: str, file: str, read: Callable[[Path], None], quantized: bool = False,
-                 template: bool = False) -> None:
+                 template: bool = False, safetensors: bool = False) -> None:
         self.name, self.file, self.read, self.quantized, self.template = name, file, read, quantized, template
+        self.safetensors = safetensors
 
     def cases(self, original: bytes, rng: random.Random, n: int) -> list[bytes]:
+        if self.safetensors:  # the JSON header mutated as JSON (length prefix kept right), or the raw bytes
+            n_header = int.from_bytes(original[:8], "little")
+            header, body = json.loads(original[8 : 8 + n_header]), original[8 + n_header :]
+            out = []
+            for text in mutated_json_texts(header, rng, n):
+                if rng.random() < 0.2:
+                    out.append(mutate_bytes(original[: 8 + n_header + 64], rng) + original[8 + n_header + 64 :])
+                else:
+                    out.append(len(text).to_bytes(8, "little") + text + body)
+            return out
         if self.template:  # the chat template's text itself, mutated inside a valid tokenizer_config.json
             config = json.loads(original)
             out = []
@@ -94,5 +106,6 @@ TARGETS = {
     "tokenizer": Target("tokenizer", "tokenizer.json", read_tokenizer),
     "tokenizer_config": Target("tokenizer_config", "tokenizer_config.json", read_tokenizer),
     "chat_template": Target("chat_template", "tokenizer_config.json", read_tokenizer, template=True),
+    "safetensors_header": Target("safetensors_header", "model.safetensors", read_config, safetensors=True),
     "quantize_config": Target("quantize_config", "quantize_config.json", read_quantized, quantized=True),
 }

@@ -9,7 +9,8 @@ import pytest
 
 from tests.fuzz_targets import TARGETS
 
-CASES = {"config": 150, "tokenizer": 150, "tokenizer_config": 150, "chat_template": 150, "quantize_config": 60}
+CASES = {"config": 150, "tokenizer": 150, "tokenizer_config": 150, "chat_template": 150, "safetensors_header": 150,
+         "quantize_config": 60}
 
 
 @pytest.mark.parametrize("name", list(TARGETS))

@@ -210,3 +210,90 @@ def test_a_failed_write_keeps_the_finished_layers_for_resume(tmp_path, monkeypat
     seen = []
     quantize_model(src, out, QuantizeOptions(**FAST), resume=True, on_layer=lambda i, n, info: seen.append(i))
     assert seen == [2, 3] and (out / MARKER).exists()
+
+
+class FullDisk:
+    """A disk that fills up after `room` more bytes: every file write through Python's io or safetensors' writer
+    beyond that raises ENOSPC, as a real full disk does (the bytes that fit are written)."""
+
+    def __init__(self, monkeypatch, room: int):
+        import builtins
+        import errno
+
+        import safetensors.torch as st
+
+        self.room = room
+        real_open, real_save_file = builtins.open, st.save_file
+        disk = self
+
+        def spend(n: int, name: str) -> None:
+            if n > disk.room:
+                disk.room = 0
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), name)
+            disk.room -= n
+
+        class Writer:
+            def __init__(self, f, name):
+                self._f, self._name = f, name
+
+            def write(self, data):
+                spend(len(data), self._name)
+                return self._f.write(data)
+
+            def __getattr__(self, attr):
+                return getattr(self._f, attr)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self._f.close()
+
+        def open_(file, mode="r", *args, **kwargs):
+            f = real_open(file, mode, *args, **kwargs)
+            return Writer(f, str(file)) if any(c in mode for c in "wax+") else f
+
+        def save_file(tensors, filename, metadata=None):
+            spend(sum(t.numel() * t.element_size() for t in tensors.values()), str(filename))
+            real_save_file(tensors, filename, metadata=metadata)
+
+        monkeypatch.setattr(builtins, "open", open_)
+        monkeypatch.setattr(st, "save_file", save_file)
+        monkeypatch.setattr(Path, "write_text", lambda self, text, *a, **k: spend(len(text), str(self))
+                            or real_write_text(self, text, *a, **k))
+        for module in ("clover_lite.checkpoint.save", "clover_lite.quant.pipeline"):
+            monkeypatch.setattr(f"{module}.save_file", save_file)
+
+
+real_write_text = Path.write_text
+
+
+@pytest.mark.parametrize("room", [0, 1_000, 60_000, 200_000])
+def test_tiny_on_a_full_disk_leaves_nothing_and_says_so(tmp_path, monkeypatch, room):
+    """`clover tiny` (save_checkpoint) with the disk filling at different points: exit 1 with one line naming
+    ENOSPC's message, no output and no temporary directory left."""
+    FullDisk(monkeypatch, room)
+    r = CliRunner().invoke(main, ["tiny", str(tmp_path / "out")])
+    monkeypatch.undo()
+    assert r.exit_code == 1 and "No space left on device" in r.output and "Traceback" not in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_quantize_on_a_full_disk_keeps_the_finished_layers_and_resumes_byte_identical(tmp_path, monkeypatch):
+    """A real OSError (ENOSPC from the writers, not our own error) in the middle of `quantize`: one clear error,
+    the finished layers kept, and `--resume` after freeing space gives the uninterrupted run's bytes."""
+    src = write_tiny_checkpoint(tmp_path / "src", seed=2)
+    ref = tmp_path / "ref"
+    quantize_model(src, ref, QuantizeOptions(**FAST))
+    FullDisk(monkeypatch, 120_000)
+    r = CliRunner().invoke(main, ["quantize", str(src), str(tmp_path / "q"), *CLI_FAST])
+    monkeypatch.undo()
+    assert r.exit_code == 1 and "No space left on device" in r.output and "--resume" in r.output, r.output
+    assert not (tmp_path / "q").exists() and (tmp_path / ".q.partial").is_dir()
+    r = CliRunner().invoke(main, ["quantize", str(src), str(tmp_path / "q"), "--resume", *CLI_FAST])
+    assert r.exit_code == 0, r.output
+    files = sorted(p.name for p in ref.iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "q").iterdir())
+    for name in files:
+        assert (ref / name).read_bytes() == (tmp_path / "q" / name).read_bytes(), name

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from clover_lite.checkpoint.output import check_output, publish_directory, temporary_sibling
+from clover_lite.checkpoint.output import OutputError, check_output, publish_directory, temporary_sibling
 from clover_lite.models.denoiser import Denoiser
 
 
@@ -97,6 +97,10 @@ def save_checkpoint(
         if extra_files:
             extra_files(tmp)
         publish_directory(tmp, out, kind)
+    except OSError as e:  # a full disk, a read-only target: nothing is left behind, one clear error
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputError(f"cannot write {out}: {e.strerror or e} ({e.filename or tmp}); nothing was written: "
+                          "free space or choose another directory") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
