@@ -1,7 +1,7 @@
 """The readers' fuzz targets run long: each reader of a model directory (config.json, tokenizer.json,
 tokenizer_config.json, its chat template, the safetensors header, quantize_config.json) takes many seeds x
-cases of mutations, and every one must read or be refused with clover-lite's own error. The suite runs the same targets briefly
-(tests/test_fuzz_readers.py); this is the longer run whose counts go into benchmarks/RESULTS.md.
+cases of mutations, and every one must read or be refused with clover-lite's own error. The suite runs the
+same targets briefly (tests/test_fuzz_readers.py); this is the longer run whose counts go into benchmarks/RESULTS.md.
 
     python benchmarks/fuzz_readers.py                    # 10 seeds x 1,000 cases per target
     python benchmarks/fuzz_readers.py --seeds 2 --cases 200 --targets config tokenizer
