@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -14,9 +14,12 @@ from clover_lite.errors import CloverError, GenerationError
 from clover_lite.kernels import dispatch
 from clover_lite.models.config import ModelConfig, load_config
 from clover_lite.models.denoiser import Denoiser
+from clover_lite.runtime.canvas import fill_canvas
+from clover_lite.runtime.decide import Decision, Filled, Questions, decision_messages, question_list
 from clover_lite.runtime.exclusive import OneAtATime
 from clover_lite.runtime.generation import CachedRunner, DoneEvent, Event, Generation, GenerationConfig, denoise
 from clover_lite.runtime.graph import MAX_STATIC_CONTEXT, StaticStep, use_static_step
+from clover_lite.runtime.template import Canvas, SlotSpec, build_canvas, filled_text
 from clover_lite.tokenizer.incremental import IncrementalDecoder
 from clover_lite.tokenizer.tokenizer import Tokenizer
 
@@ -207,11 +210,7 @@ class Engine:
         a string prompt without the chat template; `wait`: the most seconds to wait for a busy engine."""
         cfg = self.resolve_config(config, **overrides)
         ids = self.encode_prompt(prompt, raw=raw)
-        if self.mask_token_id is None:
-            raise GenerationError(
-                "this model has no mask token (no 'mask_token_id' in config.json and none in the tokenizer); "
-                "pass load(..., mask_token_id=ID) for a block-diffusion checkpoint"
-            )
+        self._mask_or_error()
         return self._locked(ids, cfg, wait)
 
     def _locked(self, ids: list[int], cfg: GenerationConfig, wait: float | None) -> Iterator[Event]:
@@ -253,6 +252,86 @@ class Engine:
             if isinstance(event, DoneEvent):
                 return event.generation
         raise RuntimeError("decoding ended without a result")
+
+    # ---- templates and decisions --------------------------------------------------------------------
+    @property
+    def end_token_id(self) -> int | None:
+        """What fills a slot's unused positions: the tokenizer's pad token, else the first end-of-sequence id."""
+        pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
+        return pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else None)
+
+    def fill(self, template: str, slots: Mapping[str, SlotSpec] | None = None, *, prompt: Prompt | None = None,
+             mode: str = "joint", config: GenerationConfig | None = None, raw: bool = False,
+             wait: float | None = None, **overrides) -> Filled:
+        """Fill the slots of `template` in one denoising pass: "{name:N}" is N positions of free text,
+        "{name:a|b}" (or `slots={"name": [...]}`) one of the listed strings; the template's own text never
+        changes (syntax: runtime/template.py). With `prompt` (encoded as for `generate`), the template is the
+        reply to it; without, it starts the sequence. `mode="sequential"` commits one position per forward,
+        left to right, as an autoregressive model must. Generation settings (`threshold`, `temperature`, ...)
+        as for `generate`."""
+        cfg = self.resolve_config(config, **overrides)
+        mask = self._mask_or_error()
+        canvas = build_canvas(self._tokenizer_or_error(), template, slots, self.end_token_id, mask)
+        ids = self.encode_prompt(prompt, raw=raw) if prompt is not None else []
+        return self._fill(ids, canvas, cfg, mode, wait)
+
+    def decide(self, context: str, questions: Questions, mode: str = "joint", *,
+               config: GenerationConfig | None = None, wait: float | None = None, **overrides) -> Decision:
+        """Answer several questions about `context` together: `questions` maps each name to its allowed
+        answers (strings of any token length). Each answer is one of its options; `probabilities` gives each
+        option's probability under the model, `forwards` the denoising forwards used, `order` the order the
+        questions were settled. `mode="sequential"` decides one at a time, left to right (the comparison)."""
+        pairs = question_list(questions)
+        user, reply = decision_messages(context, pairs)
+        tok = self._tokenizer_or_error()
+        mask = self._mask_or_error()
+        slots = {f"q{k}": options for k, (_, options) in enumerate(pairs)}
+        canvas = build_canvas(tok, reply if tok.has_chat_template else "\n" + reply, slots, self.end_token_id, mask)
+        if self.eos_token_ids:  # the end of the reply, given: the answers see where the turn ends
+            canvas.tokens.append(self.eos_token_ids[0])
+        filled = self._fill(self.encode_prompt(user), canvas, self.resolve_config(config, **overrides), mode, wait)
+        names = {f"q{k}": name for k, (name, _) in enumerate(pairs)}
+        return Decision(
+            answers={names[k]: v for k, v in filled.values.items()},
+            probabilities={names[k]: v for k, v in filled.probabilities.items()},
+            forwards=filled.forwards, order=[names[k] for k in filled.order], mode=mode,
+            commit_forwards=filled.commit_forwards, seconds=filled.seconds, text=filled.text,
+        )
+
+    def _mask_or_error(self) -> int:
+        if self.mask_token_id is None:
+            raise GenerationError(
+                "this model has no mask token (no 'mask_token_id' in config.json and none in the tokenizer); "
+                "pass load(..., mask_token_id=ID) for a block-diffusion checkpoint"
+            )
+        return self.mask_token_id
+
+    def _fill(self, ids: list[int], canvas: Canvas, cfg: GenerationConfig, mode: str, wait: float | None) -> Filled:
+        turn = self._turns.acquire(wait)
+        try:
+            self._turns.advancing(turn)
+            runner = CachedRunner(self.model, cfg.block_size, commit=cfg.commit, cache=self._cache,
+                                  static_step=self._static)
+            with on_device(self.device):
+                res = fill_canvas(runner, ids, canvas, cfg, self.mask_token_id, self.end_token_id,
+                                  self.eos_token_ids, mode=mode, chooser=self._choose, max_length=self.context_limit)
+        finally:
+            self._turns.release(turn)
+        values = {}
+        for slot in canvas.slots:
+            toks = res.slot_tokens[slot.name]
+            if slot.options is not None:
+                value = next(o for o, o_ids in zip(slot.options, slot.padded(self.end_token_id), strict=True)
+                             if o_ids == toks)
+            else:
+                ends = set(self.eos_token_ids) | {self.end_token_id}
+                cut = next((j for j, t in enumerate(toks) if t in ends), len(toks))
+                value = self.decode(toks[:cut])
+                value = value[len(slot.lead):] if slot.lead and value.startswith(slot.lead) else value
+            values[slot.name] = value
+        return Filled(values=values, text=filled_text(canvas, values), token_ids=res.tokens,
+                      probabilities=res.option_probabilities, order=res.order, forwards=res.forwards,
+                      commit_forwards=res.commit_forwards, seconds=res.seconds, steps=res.steps)
 
 
 def load(

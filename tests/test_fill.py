@@ -1,0 +1,251 @@
+"""Filling templates and joint decisions (`Engine.fill`, `Engine.decide`, runtime/canvas.py): every answer is one
+of its options, template text never changes, the cached canvas loop equals the recompute runner at any slot
+length and offset, option probabilities are the reference forward's, joint uses fewer forwards than
+sequential, and each bad input is one clear error. Random cases draw a fresh seed per run
+(CLOVER_TEST_SEED repeats one)."""
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from clover_lite.errors import GenerationError
+from clover_lite.runtime.canvas import fill_canvas
+from clover_lite.runtime.generation import CachedRunner, GenerationConfig, RecomputeRunner
+from clover_lite.runtime.template import build_canvas, parse
+
+SEED = int(os.environ.get("CLOVER_TEST_SEED", random.randrange(1 << 30)))
+LETTERS = "abcdefgh"
+
+
+def _options(rng: random.Random) -> list[str]:
+    """2-4 distinct options of 1-4 characters (byte tokenizer: one token each), often sharing first letters."""
+    n = rng.randint(2, 4)
+    stem = "".join(rng.choice(LETTERS) for _ in range(rng.randint(0, 2)))
+    out: list[str] = []
+    while len(out) < n:
+        o = (stem if rng.random() < 0.6 else "") + "".join(rng.choice(LETTERS) for _ in range(rng.randint(1, 2)))
+        if o not in out:
+            out.append(o)
+    return out
+
+
+def _random_template(rng: random.Random) -> tuple[str, dict]:
+    parts, slots = [], {}
+    for k in range(rng.randint(1, 4)):
+        parts.append("".join(rng.choice("xyz .:") for _ in range(rng.randint(0, 5))))
+        if rng.random() < 0.7:
+            slots[f"s{k}"] = _options(rng)
+        else:
+            slots[f"s{k}"] = rng.randint(1, 6)
+        parts.append(f"{{s{k}}}")
+    parts.append("".join(rng.choice("xyz .") for _ in range(rng.randint(0, 4))))
+    return "".join(parts), slots
+
+
+def test_template_syntax():
+    assert parse("a {x:3} b {{lit}} {y:p|q} {z}") == ["a ", ("x", "3"), " b {lit} ", ("y", "p|q"), " ", ("z", None)]
+    with pytest.raises(GenerationError, match="never closed"):
+        parse("a {x:3")
+    with pytest.raises(GenerationError, match="closes no slot"):
+        parse("a } b {x:2}")
+    with pytest.raises(GenerationError, match="not an identifier"):
+        parse("{9x:2}")
+
+
+def test_canvas_layout_moves_the_space_into_the_slot(tiny_engine):
+    tok = tiny_engine.tokenizer
+    c = build_canvas(tok, "go {d:left|right}!", None, 256, tiny_engine.mask_token_id)
+    assert c.tokens == tok.encode("go") + [None] * 6 + tok.encode("!")
+    (slot,) = c.slots
+    assert slot.lead == " " and slot.option_ids == [tok.encode(" left"), tok.encode(" right")]
+    assert slot.padded(256)[0] == tok.encode(" left") + [256]
+
+
+@pytest.mark.parametrize("mode", ["joint", "sequential"])
+def test_random_templates_cached_equals_recompute_and_answers_are_options(tiny_engine, mode):
+    """Random templates (choice slots of shared-prefix, multi-token options and free slots, at random offsets
+    after a random prompt, block sizes 1, 4 and 8): the cached loop and the recompute runner fill the same
+    tokens with the same forwards; every choice is one of its options; the template's text is unchanged."""
+    rng = random.Random(SEED + (mode == "joint"))
+    model, mask = tiny_engine.model, tiny_engine.mask_token_id
+    end, eos = tiny_engine.end_token_id, tiny_engine.eos_token_ids
+    for case in range(25):
+        template, slots = _random_template(rng)
+        canvas = build_canvas(tiny_engine.tokenizer, template, slots, end, mask)
+        prompt = [rng.randrange(0, 256) for _ in range(rng.randint(0, 11))]
+        if not prompt and canvas.tokens[0] is None:
+            prompt = [65]
+        B = rng.choice([1, 4, 8])
+        cfg = GenerationConfig(block_size=B, threshold=rng.choice([0.05, 0.5, 0.9]),
+                               policy=rng.choice(["threshold", "fixed"]), steps_per_block=rng.randint(1, B)).resolved(4)
+        why = f"seed {SEED}, case {case}: {template!r} {slots} prompt {len(prompt)} B {B}"
+        a = fill_canvas(CachedRunner(model, B), prompt, canvas, cfg, mask, end, eos, mode=mode)
+        b = fill_canvas(RecomputeRunner(model, B), prompt, canvas, cfg, mask, end, eos, mode=mode)
+        assert a.tokens == b.tokens and a.forwards == b.forwards and a.steps == b.steps, why
+        for p, t in enumerate(canvas.tokens):
+            if t is not None:
+                assert a.tokens[p] == t, why  # the given text never changes
+        for s in canvas.slots:
+            got = a.slot_tokens[s.name]
+            if s.options is not None:
+                assert got in s.padded(end), why
+            assert mask not in got, why
+        if mode == "sequential":  # one position per forward, left to right (plus what the constraints force)
+            firsts = [step[0] for step in a.steps]
+            assert firsts == sorted(firsts), why
+        assert sorted(a.order) == sorted(s.name for s in canvas.slots)
+
+
+def test_answers_are_options_at_temperature_one(tiny_engine):
+    rng = random.Random(SEED + 7)
+    for _ in range(5):
+        questions = {f"q {k}": _options(rng) for k in range(rng.randint(1, 4))}
+        d = tiny_engine.decide("pick", questions, temperature=1.0, seed=rng.randrange(1000))
+        assert set(d.answers) == set(questions)
+        for name, answer in d.answers.items():
+            assert answer in questions[name], (SEED, questions, d.answers)
+        assert all(0 < p <= 1 for probs in d.probabilities.values() for p in probs.values())
+
+
+def test_option_probabilities_are_the_reference_forwards(tiny_engine):
+    """Each option's probability is the product of its tokens' softmax probabilities at their positions in
+    the reference (uncached, block-causal) forward of prompt + template with every slot masked."""
+    model, mask = tiny_engine.model, tiny_engine.mask_token_id
+    tok = tiny_engine.tokenizer
+    prompt = tok.encode("ab")  # the first block: 2 prompt tokens, then the template
+    template = "{a:x|yz}{b:p|q}"
+    canvas = build_canvas(tok, template, None, tiny_engine.end_token_id, mask)
+    assert len(prompt) + len(canvas.tokens) <= 8
+    cfg = GenerationConfig(block_size=8).resolved(4)
+    res = fill_canvas(CachedRunner(model, 8), prompt, canvas, cfg, mask, tiny_engine.end_token_id)
+    ids = torch.tensor([prompt + [mask] * len(canvas.tokens)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids, block_size=8)[0].double(), -1)
+    P = len(prompt)
+    expect = {"a": {"x": logp[P, tok.encode("x")[0]].exp(),
+                    "yz": (logp[P, tok.encode("y")[0]] + logp[P + 1, tok.encode("z")[0]]).exp()},
+              "b": {"p": logp[P + 2, tok.encode("p")[0]].exp(), "q": logp[P + 2, tok.encode("q")[0]].exp()}}
+    for name, probs in expect.items():
+        for option, p in probs.items():
+            assert math.isclose(res.option_probabilities[name][option], float(p), rel_tol=1e-4), (name, option)
+
+
+class ScriptedRunner:
+    """Logits that put token `script[position]` first with the given confidence: a hand-worked case."""
+
+    def __init__(self, script: dict[int, tuple[int, float]], vocab: int):
+        self.script, self.vocab, self.device = script, vocab, torch.device("cpu")
+        self.start, self.calls = 0, []
+
+    def reserve(self, n):
+        pass
+
+    def prefill(self, ids):
+        self.start = len(ids)
+
+    def step(self, block, positions):
+        self.calls.append(list(positions))
+        out = torch.zeros(len(positions), self.vocab)
+        for r, p in enumerate(positions):
+            token, logit = self.script[self.start + p]
+            out[r, token] = logit
+        return out
+
+    def commit(self, block):
+        self.start += len(block)
+
+
+def test_free_slot_end_fills_the_rest_and_choice_prefixes_are_propagated():
+    """Hand-worked: a 1-token prompt, then a block of 8 holding free slot f (positions 1-4) and choice c
+    (positions 5-7) between the ids 4 5 6 and 4 5 7; threshold 0.99, other logits 0 over a vocabulary of 16.
+    Forward 1 scores all seven: c's first two positions allow one token each (confidence 1), the end token at
+    2 has p = e^9 / (e^9 + 15) = 0.998; so c[0] = 4 commits, forcing c[1] = 5, and the end at 2 forces 3-4 to
+    the end token. Forward 2: position 1 (p = e^2 / (e^2 + 15) = 0.33) and 7 (6 or 7 only: p = e^3 / (e^3 + 1)
+    = 0.95) are under the threshold: the more confident, 7, commits. Forward 3: position 1."""
+    from clover_lite.runtime.template import Canvas, Slot
+
+    end = 9
+    slot_f = Slot(name="f", start=0, length=4)
+    slot_c = Slot(name="c", start=4, length=3, options=["A", "B"], option_ids=[[4, 5, 6], [4, 5, 7]])
+    canvas = Canvas(tokens=[None] * 7, slots=[slot_f, slot_c], pieces=[slot_f, slot_c])
+    script = {1: (11, 2.0), 2: (end, 9.0), 3: (12, 1.0), 4: (13, 1.0), 5: (3, 9.0), 6: (3, 9.0), 7: (7, 3.0)}
+    # (positions 5 and 6 prefer token 3, which c does not allow there)
+    runner = ScriptedRunner(script, vocab=16)
+    cfg = GenerationConfig(block_size=8, threshold=0.99).resolved(4)
+    res = fill_canvas(runner, [1], canvas, cfg, mask_token_id=15, end_token_id=end)
+    assert res.slot_tokens["c"] == [4, 5, 7] and res.slot_tokens["f"][1:] == [end, end, end]
+    assert runner.calls[0] == [1, 2, 3, 4, 5, 6, 7]
+    assert res.steps[0] == [1, 2, 3, 4, 5]
+    assert res.forwards == len(runner.calls) == 3 and res.order == ["c", "f"]
+
+
+def test_joint_uses_fewer_forwards_than_sequential(tiny_engine):
+    q = {"window": ["open", "closed"], "fan": ["on", "off"], "seat": ["hot", "cold"]}
+    joint = tiny_engine.decide("cabin", q, policy="fixed", steps_per_block=1, block_size=16)
+    seq = tiny_engine.decide("cabin", q, mode="sequential", policy="fixed", steps_per_block=1, block_size=16)
+    assert joint.forwards < seq.forwards
+    assert seq.forwards >= 3  # at least one per question's first letter
+    for d in (joint, seq):
+        assert all(d.answers[k] in v for k, v in q.items())
+
+
+def test_fill_keeps_the_template_and_cuts_free_slots(tiny_engine):
+    f = tiny_engine.fill("name: {who:5} says {word:hi|bye}.", prompt="hello")
+    assert f.text.startswith("name: ") and f.text.endswith(".") and f.values["word"] in ("hi", "bye")
+    assert f" says {f.values['word']}." in f.text and f.forwards >= 1
+    assert set(f.order) == {"who", "word"}
+
+
+@pytest.mark.parametrize("call, why", [
+    (lambda e: e.decide("c", {"a": []}), "no options"),
+    (lambda e: e.decide("c", [("a", ["x"]), ("a", ["y"])]), "more than once"),
+    (lambda e: e.decide("c", {"a": ["x", "x"]}), "more than once"),
+    (lambda e: e.decide("c", {"a": ["<|mask|>", "y"]}), "cannot encode"),
+    (lambda e: e.decide("c", {"a": ["", "y"]}), "empty option"),
+    (lambda e: e.decide("c", {}), "no questions"),
+    (lambda e: e.decide("c", {"a": "xy"}), "list of strings"),
+    (lambda e: e.decide("c", {"a": ["x"]}, mode="parallel"), "mode must be"),
+    (lambda e: e.fill("{a:3} {a:2}"), "more than once"),
+    (lambda e: e.fill("no slot here"), "no slot"),
+    (lambda e: e.fill("{a}"), "no spec"),
+    (lambda e: e.fill("{a:2}", slots={"b": 3}), "not in the template"),
+    (lambda e: e.fill("{a:0}"), "positions"),
+    (lambda e: e.fill("{a:2}", slots={"a": 2}), "both"),
+])
+def test_bad_questions_and_templates_are_one_clear_error(tiny_engine, call, why):
+    with pytest.raises(GenerationError, match=why):
+        call(tiny_engine)
+
+
+def test_template_over_the_context_is_refused(tiny_dir):
+    import clover_lite
+
+    e = clover_lite.load(tiny_dir, device="cpu", context=32)
+    with pytest.raises(GenerationError, match=r"exceeds the context of 32"):
+        e.fill("{a:40}", prompt="x")
+
+
+def test_picks_of_one_step_that_contradict_each_other_are_not_both_committed():
+    """Choice between the ids 4 5, 4 6 and 7 8 after a 1-token prompt, threshold 0.1 so both positions pass in
+    forward 1: position 1 takes 4 (p = e^6 / (e^6 + 2) = 0.995, over {4, 7}) and position 2 prefers 8
+    (logits 3 for 8 and 1 for 6: p = e^3 / (e^3 + e + 1) = 0.84 over {5, 6, 8}). Committing 4 first leaves 4 5
+    and 4 6, so the 8 is dropped and forward 2 chooses between 5 and 6 only (6: e / (e + 1))."""
+    from clover_lite.runtime.template import Canvas, Slot
+
+    slot = Slot(name="c", start=0, length=2, options=["A", "B", "C"], option_ids=[[4, 5], [4, 6], [7, 8]])
+    canvas = Canvas(tokens=[None, None], slots=[slot], pieces=[slot])
+
+    class Runner(ScriptedRunner):
+        def step(self, block, positions):
+            out = super().step(block, positions)
+            if 2 in positions:
+                out[positions.index(2), 6] = 1.0  # position 2's second choice
+            return out
+
+    runner = Runner({1: (4, 6.0), 2: (8, 3.0)}, vocab=16)
+    cfg = GenerationConfig(block_size=4, threshold=0.1).resolved(4)
+    res = fill_canvas(runner, [1], canvas, cfg, mask_token_id=15, end_token_id=9)
+    assert res.steps == [[0], [1]] and res.slot_tokens["c"] == [4, 6]
