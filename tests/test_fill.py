@@ -112,15 +112,17 @@ def test_answers_are_options_at_temperature_one(tiny_engine):
 
 def test_option_probabilities_are_the_reference_forwards(tiny_engine):
     """Each option's probability is the product of its tokens' softmax probabilities at their positions in
-    the reference (uncached, block-causal) forward of prompt + template with every slot masked."""
+    the forward that decided them: here (one step per block) the first, which the reference (uncached,
+    block-causal) forward of prompt + template with every slot masked reproduces."""
     model, mask = tiny_engine.model, tiny_engine.mask_token_id
     tok = tiny_engine.tokenizer
     prompt = tok.encode("ab")  # the first block: 2 prompt tokens, then the template
     template = "{a:x|yz}{b:p|q}"
     canvas = build_canvas(tok, template, None, tiny_engine.end_token_id, mask)
     assert len(prompt) + len(canvas.tokens) <= 8
-    cfg = GenerationConfig(block_size=8).resolved(4)
+    cfg = GenerationConfig(block_size=8, policy="fixed", steps_per_block=1).resolved(4)
     res = fill_canvas(CachedRunner(model, 8), prompt, canvas, cfg, mask, tiny_engine.end_token_id)
+    assert res.forwards == 1
     ids = torch.tensor([prompt + [mask] * len(canvas.tokens)])
     with torch.no_grad():
         logp = torch.log_softmax(model(ids, block_size=8)[0].double(), -1)
@@ -158,28 +160,56 @@ class ScriptedRunner:
         self.start += len(block)
 
 
-def test_free_slot_end_fills_the_rest_and_choice_prefixes_are_propagated():
+def test_free_slot_end_and_a_choice_decided_whole():
     """Hand-worked: a 1-token prompt, then a block of 8 holding free slot f (positions 1-4) and choice c
     (positions 5-7) between the ids 4 5 6 and 4 5 7; threshold 0.99, other logits 0 over a vocabulary of 16.
-    Forward 1 scores all seven: c's first two positions allow one token each (confidence 1), the end token at
-    2 has p = e^9 / (e^9 + 15) = 0.998; so c[0] = 4 commits, forcing c[1] = 5, and the end at 2 forces 3-4 to
-    the end token. Forward 2: position 1 (p = e^2 / (e^2 + 15) = 0.33) and 7 (6 or 7 only: p = e^3 / (e^3 + 1)
-    = 0.95) are under the threshold: the more confident, 7, commits. Forward 3: position 1."""
+    Forward 1: the end token at 2 has p = e^9 / (e^9 + 15) = 0.998 and commits, ending f (3-4 take the end
+    token); position 1 has e^2 / (e^2 + 15) = 0.33; c's options differ only at 7, where 7's logit is 3, so
+    4 5 7 has the share e^3 / (e^3 + 1) = 0.95 of the two. Forward 2: nothing passes 0.99, so the most confident
+    candidate, c, commits whole. Forward 3: position 1."""
     from clover_lite.runtime.template import Canvas, Slot
 
     end = 9
     slot_f = Slot(name="f", start=0, length=4)
     slot_c = Slot(name="c", start=4, length=3, options=["A", "B"], option_ids=[[4, 5, 6], [4, 5, 7]])
-    canvas = Canvas(tokens=[None] * 7, slots=[slot_f, slot_c], pieces=[slot_f, slot_c])
+    canvas = Canvas(tokens=[None] * 7, slots=[slot_f, slot_c], pieces=[slot_f, slot_c], end_token_id=end)
     script = {1: (11, 2.0), 2: (end, 9.0), 3: (12, 1.0), 4: (13, 1.0), 5: (3, 9.0), 6: (3, 9.0), 7: (7, 3.0)}
-    # (positions 5 and 6 prefer token 3, which c does not allow there)
     runner = ScriptedRunner(script, vocab=16)
     cfg = GenerationConfig(block_size=8, threshold=0.99).resolved(4)
     res = fill_canvas(runner, [1], canvas, cfg, mask_token_id=15, end_token_id=end)
-    assert res.slot_tokens["c"] == [4, 5, 7] and res.slot_tokens["f"][1:] == [end, end, end]
-    assert runner.calls[0] == [1, 2, 3, 4, 5, 6, 7]
-    assert res.steps[0] == [1, 2, 3, 4, 5]
-    assert res.forwards == len(runner.calls) == 3 and res.order == ["c", "f"]
+    assert res.slot_tokens == {"f": [11, end, end, end], "c": [4, 5, 7]}
+    assert runner.calls == [[1, 2, 3, 4, 5, 6, 7], [1, 5, 6, 7], [1]]
+    assert res.steps == [[1, 2, 3], [4, 5, 6], [0]] and res.order == ["c", "f"] and res.forwards == 3
+    p4 = 1 / (math.exp(9) + 15)  # token 4 at 5 and token 5 at 6, where token 3 has logit 9
+    expect = {"A": p4 * p4 / (math.exp(3) + 15), "B": p4 * p4 * math.exp(3) / (math.exp(3) + 15)}
+    for option, p in expect.items():
+        assert math.isclose(res.option_probabilities["c"][option], p, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["joint", "sequential"])
+def test_a_choice_is_its_best_option_not_its_best_tokens(mode):
+    """Options 4 5, 4 6 and 7 8 at positions 1-2, then a free position. Per position, 4 (logit 6) and 8 (logit
+    3) are the best tokens, but 4 8 is no option; summed log-probabilities rank 4 6 first (6 + 1, against 6 + 0
+    and 0 + 3). Sequential decides the choice (leftmost) alone first, joint with threshold 0.1 decides both in
+    one forward."""
+    from clover_lite.runtime.template import Canvas, Slot
+
+    slot = Slot(name="c", start=0, length=2, options=["A", "B", "C"], option_ids=[[4, 5], [4, 6], [7, 8]])
+    free = Slot(name="f", start=2, length=1)
+    canvas = Canvas(tokens=[None] * 3, slots=[slot, free], pieces=[slot, free], end_token_id=9)
+
+    class Runner(ScriptedRunner):
+        def step(self, block, positions):
+            out = super().step(block, positions)
+            if 2 in positions:
+                out[positions.index(2), 6] = 1.0  # position 2's second choice
+            return out
+
+    runner = Runner({1: (4, 6.0), 2: (8, 3.0), 3: (12, 5.0)}, vocab=16)
+    cfg = GenerationConfig(block_size=4, threshold=0.1).resolved(4)
+    res = fill_canvas(runner, [1], canvas, cfg, mask_token_id=15, end_token_id=9, mode=mode)
+    assert res.slot_tokens == {"c": [4, 6], "f": [12]}
+    assert res.steps == ([[0, 1, 2]] if mode == "joint" else [[0, 1], [2]])
 
 
 def test_joint_uses_fewer_forwards_than_sequential(tiny_engine):
@@ -228,24 +258,26 @@ def test_template_over_the_context_is_refused(tiny_dir):
         e.fill("{a:40}", prompt="x")
 
 
-def test_picks_of_one_step_that_contradict_each_other_are_not_both_committed():
-    """Choice between the ids 4 5, 4 6 and 7 8 after a 1-token prompt, threshold 0.1 so both positions pass in
-    forward 1: position 1 takes 4 (p = e^6 / (e^6 + 2) = 0.995, over {4, 7}) and position 2 prefers 8
-    (logits 3 for 8 and 1 for 6: p = e^3 / (e^3 + e + 1) = 0.84 over {5, 6, 8}). Committing 4 first leaves 4 5
-    and 4 6, so the 8 is dropped and forward 2 chooses between 5 and 6 only (6: e / (e + 1))."""
-    from clover_lite.runtime.template import Canvas, Slot
+def test_clover_decide_command(tiny_dir):
+    """`clover decide`: JSON with every answer one of its options, the same answers as the API; a table; a
+    malformed --question is a usage error showing the form."""
+    import json
 
-    slot = Slot(name="c", start=0, length=2, options=["A", "B", "C"], option_ids=[[4, 5], [4, 6], [7, 8]])
-    canvas = Canvas(tokens=[None, None], slots=[slot], pieces=[slot])
+    from click.testing import CliRunner
 
-    class Runner(ScriptedRunner):
-        def step(self, block, positions):
-            out = super().step(block, positions)
-            if 2 in positions:
-                out[positions.index(2), 6] = 1.0  # position 2's second choice
-            return out
+    import clover_lite
+    from clover_lite.cli.main import main
 
-    runner = Runner({1: (4, 6.0), 2: (8, 3.0)}, vocab=16)
-    cfg = GenerationConfig(block_size=4, threshold=0.1).resolved(4)
-    res = fill_canvas(runner, [1], canvas, cfg, mask_token_id=15, end_token_id=9)
-    assert res.steps == [[0], [1]] and res.slot_tokens["c"] == [4, 6]
+    args = ["decide", str(tiny_dir), "--context", "cabin hot", "-q", "window=open,closed", "-q", "fan=on,off,auto",
+            "--device", "cpu"]
+    r = CliRunner().invoke(main, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["answers"]["window"] in ("open", "closed") and out["answers"]["fan"] in ("on", "off", "auto")
+    api = clover_lite.load(tiny_dir, device="cpu").decide("cabin hot", {"window": ["open", "closed"],
+                                                                         "fan": ["on", "off", "auto"]})
+    assert out["answers"] == api.answers and out["forwards"] == api.forwards
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0 and "window" in r.output and "forwards" in r.output, r.output
+    r = CliRunner().invoke(main, ["decide", "--context", "x", "-q", "window"])
+    assert r.exit_code == 2 and "name=option1,option2" in r.output

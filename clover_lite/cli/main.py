@@ -26,6 +26,7 @@ LAZY_COMMANDS = {
     "bench": (".bench", "bench"),
     "quantize": (".quantize", "quantize"),
     "eval": (".quantize", "eval_cmd"),
+    "decide": (".decide", "decide"),
 }
 
 

@@ -4,12 +4,15 @@ The open-ended loop (`generation.denoise`) is the case "prompt tail, then masks"
 canvas holds given tokens (template text, which never changes) and masked slot positions, which are denoised
 together with the same cache, steps and one commit per block (docs/ARCHITECTURE.md section 9):
 
-- a choice slot's positions may only take the tokens of the options still consistent with what the slot
-  has committed, so its value is always one of them; a position every consistent option agrees on is filled
-  without a forward (constraint propagation), after the forward that scored it;
-- a free slot is open text; once it commits an end token, its later positions take the end token;
-- `joint` scores every masked position of the block in each forward and commits by the policy; `sequential`
-  commits the leftmost masked position only, one per forward, as an autoregressive decoder must.
+- a choice slot is decided whole: in a forward each of its options scores the sum of its tokens'
+  log-probabilities at the slot's positions in the block (full-vocabulary softmax; the end-token padding of a
+  shorter option is not part of it), the best option is the candidate, and its confidence is its share of the
+  options' probability; committing it writes all its positions, those in later blocks included;
+- a free slot is open text, position by position; once it commits an end token, its later positions take the
+  end token without a forward;
+- `joint` scores every masked position of the block in each forward and commits by the policy, a choice slot
+  counting as one candidate; `sequential` commits only the leftmost undecided position or choice slot per
+  forward, as an autoregressive decoder must.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ class CanvasResult:
 
     tokens: list[int]
     slot_tokens: dict[str, list[int]]
-    # Per choice slot, each option's probability as the product of its tokens' probabilities (full-vocabulary
-    # softmax) in the first forward that scored each position.
+    # Per choice slot, each option's probability: the product of its tokens' probabilities (full-vocabulary
+    # softmax) in the forward that decided the slot.
     option_probabilities: dict[str, dict[str, float]]
     order: list[str]  # slots in the order they were completed
     forwards: int = 0  # denoising forwards (steps)
@@ -46,48 +49,14 @@ class CanvasResult:
     steps: list[list[int]] = field(default_factory=list)  # canvas positions committed by each forward
 
 
-class _SlotState:
-    """What a slot still allows: for a choice, the options consistent with its committed tokens."""
+@dataclass
+class _Candidate:
+    """What one forward proposes to commit: a free position's token, or a choice slot's option."""
 
-    def __init__(self, slot, end_token_id: int | None, end_ids: set[int]):
-        self.slot = slot
-        self.choice = slot.options is not None
-        self.options = slot.padded(end_token_id) if self.choice else None
-        self.alive = list(range(len(self.options))) if self.choice else None
-        self.end_token_id, self.end_ids = end_token_id, end_ids
-
-    def allowed(self, j: int) -> list[int] | None:
-        """Tokens position j may take (None: any)."""
-        if not self.choice:
-            return None
-        return sorted({self.options[o][j] for o in self.alive})
-
-    def accepts(self, j: int, token: int) -> bool:
-        return not self.choice or any(self.options[o][j] == token for o in self.alive)
-
-    def commit(self, j: int, token: int) -> None:
-        if self.choice:
-            self.alive = [o for o in self.alive if self.options[o][j] == token]
-
-    def forced(self, canvas_tokens: list[int | None], scored_below: int) -> list[tuple[int, int]]:
-        """(canvas position, token) of masked positions that only one token can take now: for a choice, among
-        positions before `scored_below` (those a forward has scored, so every option's probability has them);
-        for a free slot, every position after its end token."""
-        s, out = self.slot, []
-        if self.choice:
-            for j in range(min(s.length, scored_below - s.start)):
-                if canvas_tokens[s.start + j] is None:
-                    allowed = self.allowed(j)
-                    if len(allowed) == 1:
-                        out.append((s.start + j, allowed[0]))
-        elif self.end_token_id is not None:
-            ended = False
-            for j in range(s.length):
-                t = canvas_tokens[s.start + j]
-                if ended and t is None:
-                    out.append((s.start + j, self.end_token_id))
-                ended = ended or (t is not None and t in self.end_ids)
-        return out
+    first: int  # canvas position it starts at (left-to-right order)
+    confidence: float
+    writes: list[tuple[int, int]]  # (canvas position, token)
+    slot: int | None = None  # choice slot index
 
 
 def fill_canvas(
@@ -115,41 +84,27 @@ def fill_canvas(
         raise GenerationError(f"prompt ({P} tokens) + template ({C} positions) = {total} exceeds the context of "
                               f"{max_length} tokens; shorten the context, the template or its slots")
     end_ids = set(eos_token_ids) | ({end_token_id} if end_token_id is not None else set())
-    states = [_SlotState(s, end_token_id, end_ids) for s in canvas.slots]
     where = canvas.slot_at()
     tokens: list[int | None] = list(canvas.tokens)
     generator = None
     if cfg.temperature > 0:
         generator = torch.Generator(device=runner.device)
         generator.manual_seed(cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-    probs: dict[str, dict[str, float]] = {
-        s.name: dict.fromkeys(s.options, 1.0) for s in canvas.slots if s.options is not None}
-    scored: set[int] = set()
     done_at: dict[str, tuple[int, int]] = {}
-    result = CanvasResult(tokens=[], slot_tokens={}, option_probabilities=probs, order=[])
+    result = CanvasResult(tokens=[], slot_tokens={}, option_probabilities={}, order=[])
 
-    def set_token(c: int, token: int) -> None:
+    def write(c: int, token: int) -> list[int]:
+        """Commit a token; a free slot's end token also ends the slot (its later masked positions)."""
         tokens[c] = token
+        out = [c]
         k, j = where[c]
-        states[k].commit(j, token)
-
-    def propagate(scored_below: int) -> list[int]:
-        filled = []
-        changed = True
-        while changed:
-            changed = False
-            for st in states:
-                for c, t in st.forced(tokens, scored_below):
-                    if tokens[c] is None:
-                        set_token(c, t)
-                        filled.append(c)
-                        changed = True
-        return filled
-
-    def note_done(step: int) -> None:
-        for k, s in enumerate(canvas.slots):
-            if s.name not in done_at and all(tokens[s.start + j] is not None for j in range(s.length)):
-                done_at[s.name] = (step, k)
+        s = canvas.slots[k]
+        if s.options is None and token in end_ids and end_token_id is not None:
+            for jj in range(j + 1, s.length):
+                if tokens[s.start + jj] is None:
+                    tokens[s.start + jj] = end_token_id
+                    out.append(s.start + jj)
+        return out
 
     runner.reserve(total)
     first_start = P // B * B
@@ -157,44 +112,39 @@ def fill_canvas(
     start = first_start
     while start < total:
         end = min(start + B, total)
-        first_forward, step_in_block = True, 0
+        step_in_block = 0
         while True:
             masked = [p - start for p in range(max(start, P), end) if tokens[p - P] is None]
             if not masked:
                 break
-            asked = masked if mode == "joint" or first_forward else masked[:1]
             ids = [mask_token_id if t is None else t for t in _block(prompt_ids, tokens, start, end)]
-            logits = runner.step(ids, asked)
+            logits = runner.step(ids, masked)
             if not bool(torch.isfinite(logits).all()):
                 before = (list(prompt_ids) + [int(t) for t in tokens[: max(start - P, 0)]])[:start]
-                raise nonfinite_error(runner, before, ids, asked, start)
-            rows = [start + i - P for i in asked]  # canvas positions of the logits' rows
-            if first_forward:
-                _record_probabilities(logits, rows, where, canvas, states, probs, scored)
-            chosen, conf = _choose(logits, rows, where, states, cfg, mask_token_id, generator, chooser)
+                raise nonfinite_error(runner, before, ids, masked, start)
+            rows = [start + i - P for i in masked]  # canvas positions of the logits' rows
+            candidates = _candidates(logits, rows, where, canvas, cfg, mask_token_id, generator, chooser,
+                                     result.option_probabilities)
             if mode == "joint":
-                order = select_positions(torch.tensor(conf), cfg, step_in_block).tolist()
-                order = sorted(order, key=lambda i: -conf[i])
+                conf = torch.tensor([cand.confidence for cand in candidates])
+                picked = [candidates[i] for i in select_positions(conf, cfg, step_in_block).tolist()]
             else:
-                order = [0]  # the leftmost masked position
+                picked = [min(candidates, key=lambda cand: cand.first)]
             committed_now = []
-            for i in order:
-                c, t = rows[i], chosen[i]
-                k, j = where[c]
-                if tokens[c] is None and states[k].accepts(j, t):
-                    set_token(c, t)
-                    committed_now.append(c)
-                    committed_now += propagate(end - P)
+            for cand in sorted(picked, key=lambda cand: -cand.confidence):
+                for c, t in cand.writes:
+                    if tokens[c] is None:
+                        committed_now += write(c, t)
             result.forwards += 1
             step_in_block += 1
             result.steps.append(sorted(committed_now))
-            note_done(result.forwards)
-            first_forward = False
+            for k, s in enumerate(canvas.slots):
+                if s.name not in done_at and all(tokens[s.start + j] is not None for j in range(s.length)):
+                    done_at[s.name] = (result.forwards, k)
         if end < total:
             runner.commit([int(t) for t in _block(prompt_ids, tokens, start, end)])
             result.commit_forwards += 1
         start = end
-    note_done(result.forwards)
     result.tokens = [int(t) for t in tokens]
     result.slot_tokens = {s.name: result.tokens[s.start : s.start + s.length] for s in canvas.slots}
     result.order = [name for name, _ in sorted(done_at.items(), key=lambda kv: kv[1])]
@@ -208,43 +158,40 @@ def _block(prompt_ids: Sequence[int], tokens: list[int | None], start: int, end:
     return [prompt_ids[p] if p < P else tokens[p - P] for p in range(start, end)]
 
 
-def _record_probabilities(logits, rows, where, canvas, states, probs, scored) -> None:
-    """Multiply each option's probability by its token's, at the first forward that scores each position."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    for r, c in enumerate(rows):
-        k, j = where[c]
-        s = canvas.slots[k]
-        if s.options is None or c in scored:
-            continue
-        scored.add(c)
-        for text, ids in zip(s.options, s.option_ids, strict=True):
-            if j < len(ids):  # an option's own tokens; the end-token padding is not part of it
-                probs[s.name][text] *= math.exp(float(logp[r, ids[j]]))
-
-
-def _choose(logits, rows, where, states, cfg, mask_token_id, generator, chooser) -> tuple[list[int], list[float]]:
-    """Each row's token and confidence: free rows through the engine's chooser over the vocabulary, choice rows
-    over the tokens their consistent options allow (confidence on that renormalised distribution)."""
-    chosen, conf = [0] * len(rows), [0.0] * len(rows)
-    free = [r for r, c in enumerate(rows) if states[where[c][0]].allowed(where[c][1]) is None]
-    constrained = [r for r in range(len(rows)) if r not in set(free)]
+def _candidates(logits, rows, where, canvas, cfg, mask_token_id, generator, chooser,
+                probabilities) -> list[_Candidate]:
+    """One candidate per masked free position (the engine's chooser over the vocabulary) and per undecided
+    choice slot with positions in this block (its best option, or one sampled at temperature > 0). Records each
+    scored slot's option probabilities in `probabilities` (the last forward's stand: the one that decides it)."""
+    out: list[_Candidate] = []
+    free = [r for r, c in enumerate(rows) if canvas.slots[where[c][0]].options is None]
     if free:
         t, p = chooser(logits[free], cfg.temperature, cfg.top_k, cfg.top_p, cfg.confidence, mask_token_id, generator)
         for r, ti, pi in zip(free, t.tolist(), p.float().tolist(), strict=True):
-            chosen[r], conf[r] = int(ti), float(pi)
-    if constrained:
-        cols = sorted({t for r in constrained for t in states[where[rows[r]][0]].allowed(where[rows[r]][1])})
-        index = {t: i for i, t in enumerate(cols)}
-        sub = logits[constrained][:, cols].float()
-        keep = torch.zeros_like(sub, dtype=torch.bool)
-        for i, r in enumerate(constrained):
-            for t in states[where[rows[r]][0]].allowed(where[rows[r]][1]):
-                keep[i, index[t]] = True
-        sub = sub.masked_fill(~keep, float("-inf"))
-        t, p = choose(sub, cfg.temperature, cfg.top_k, cfg.top_p, cfg.confidence, None, generator)
-        for r, ti, pi in zip(constrained, t.tolist(), p.float().tolist(), strict=True):
-            chosen[r], conf[r] = cols[ti], float(pi)
-    return chosen, conf
+            out.append(_Candidate(first=rows[r], confidence=float(pi), writes=[(rows[r], int(ti))]))
+    by_slot: dict[int, list[int]] = {}
+    for r, c in enumerate(rows):
+        if canvas.slots[where[c][0]].options is not None:
+            by_slot.setdefault(where[c][0], []).append(r)
+    if not by_slot:
+        return out
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    for k, slot_rows in by_slot.items():
+        s = canvas.slots[k]
+        here = {where[rows[r]][1]: r for r in slot_rows}  # index in the slot -> logits row
+        scores = torch.tensor([
+            sum(float(logp[here[j], t]) for j, t in enumerate(ids) if j in here) for ids in s.option_ids
+        ], dtype=torch.float64)
+        probabilities[s.name] = {o: math.exp(float(v)) for o, v in zip(s.options, scores, strict=True)}
+        share = torch.softmax(scores / cfg.temperature if cfg.temperature > 0 else scores, dim=0)
+        if cfg.temperature > 0:
+            best = int(torch.multinomial(share.float().to(generator.device), 1, generator=generator))
+        else:
+            best = int(share.argmax())
+        padded = s.padded(canvas.end_token_id)[best]
+        out.append(_Candidate(first=s.start, confidence=float(share[best]), slot=k,
+                              writes=[(s.start + j, t) for j, t in enumerate(padded)]))
+    return out
 
 
 __all__ = ["CanvasResult", "fill_canvas", "MODES"]

@@ -25,7 +25,9 @@ class Filled:
     values: dict[str, str]
     text: str
     token_ids: list[int]
-    probabilities: dict[str, dict[str, float]]  # choice slots: each option's probability (its tokens' product)
+    # Choice slots: each option's probability, its tokens' product, each token's from the forward that decided
+    # its position (so a greedy answer is never less likely there than another option's token).
+    probabilities: dict[str, dict[str, float]]
     order: list[str]  # slots in the order they were completed
     forwards: int  # denoising forwards
     commit_forwards: int

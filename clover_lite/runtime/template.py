@@ -49,6 +49,7 @@ class Canvas:
     tokens: list[int | None]
     slots: list[Slot]
     pieces: list[str | Slot]  # the template in order, for writing the filled text back
+    end_token_id: int | None = None  # what pads a choice's shorter options and ends a free slot
 
     def slot_at(self) -> list[tuple[int, int] | None]:
         """For each canvas position, (slot index, index inside the slot), None for fixed text."""
@@ -159,7 +160,7 @@ def build_canvas(tokenizer, template: str, slots: Mapping[str, SlotSpec] | None,
         tokens += [None] * slot.length
         out_slots.append(slot)
         pieces.append(slot)
-    return Canvas(tokens=tokens, slots=out_slots, pieces=pieces)
+    return Canvas(tokens=tokens, slots=out_slots, pieces=pieces, end_token_id=end_token_id)
 
 
 def _options(tokenizer, name: str, options: list, lead: str, mask_token_id: int) -> tuple[list[str], list[list[int]]]:
