@@ -451,3 +451,29 @@ def test_host_overhead_benchmark_table(tmp_path, monkeypatch, capsys):
         for v in ("incremental", "no decode", "full re-decode"):
             assert r[v]["ms_per_step"] > 0 and r[v]["steps"] == r["new_tokens"] and r[v]["finish"] == "length"
     assert "full re-decode" in capsys.readouterr().out
+
+
+def test_decide_benchmark_sets_and_table(tmp_path, capsys):
+    """benchmarks/decide.py: each interlocked set asks three questions over one rule set whose truths follow
+    from chaining its rules (checked here independently: the chain's conclusion yes, the distractor's no); the
+    run reports every way, with all-correct never above per-question accuracy."""
+    mod = runpy.run_path(str(BENCH / "decide.py"), run_name="bench")
+    from clover_lite.training.tasks import parse_rules
+
+    sets = mod["interlocked_sets"](4, seed=1)
+    for s in sets:
+        assert len(s["questions"]) == 3 and sorted(s["truth"]).count("yes") >= 1 and "no" in s["truth"]
+        facts, premise, _ = parse_rules(s["context"] + " question: is Ann red?")
+        for (name, options), truth in zip(s["questions"], s["truth"], strict=True):
+            person, prop = name.removeprefix("is ").split()
+            atom, seen = f"{person} is {prop}", 0
+            while atom in premise and seen < 10:
+                atom, seen = premise[atom], seen + 1
+            assert truth == ("yes" if atom in facts else "no") and options == ["yes", "no"]
+    out = tmp_path / "d.json"
+    mod["main"](["--sets", "2", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"joint", "sequential", "free"}
+    for r in results.values():
+        assert 0 <= r["all_correct"] <= r["accuracy"] <= 1 and r["forwards_per_set"] >= 1
+    assert "| joint |" in capsys.readouterr().out

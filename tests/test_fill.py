@@ -281,3 +281,20 @@ def test_clover_decide_command(tiny_dir):
     assert r.exit_code == 0 and "window" in r.output and "forwards" in r.output, r.output
     r = CliRunner().invoke(main, ["decide", "--context", "x", "-q", "window"])
     assert r.exit_code == 2 and "name=option1,option2" in r.output
+
+
+def test_cabin_assistant_example_runs(monkeypatch, capsys):
+    """examples/cabin_assistant.py on the bundled model: an action per question, each one of its options."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "cabin_assistant.py"
+    monkeypatch.setattr(sys, "argv", [str(path), "--device", "cpu"])
+    runpy.run_path(str(path), run_name="__main__")
+    out = capsys.readouterr().out
+    mod = runpy.run_path(str(path), run_name="example")
+    for name, options in mod["QUESTIONS"].items():
+        line = next(ln for ln in out.splitlines() if ln.strip().startswith(f"{name}:"))
+        assert any(line.split(": ", 1)[1].startswith(o) for o in options), line
+    assert "forwards" in out
