@@ -39,23 +39,24 @@ def interlocked_sets(n: int, seed: int = 0) -> list[dict]:
     for ex in eval_set("rules", n):
         facts, premise, _ = parse_rules(ex.prompt)
         context = ex.prompt.split(" question: ")[0]
-
-        def holds(atom: str) -> bool:
-            while atom in premise:
-                atom = premise[atom]
-            return atom in facts
-
         concluded = sorted(premise)
-        chain_end = next(b for b in concluded if holds(b))  # the chain's conclusion: yes
-        distractor = next(b for b in concluded if not holds(b))  # the rule whose premise is false: no
+        chain_end = next(b for b in concluded if holds(b, facts, premise))  # the chain's conclusion: yes
+        distractor = next(b for b in concluded if not holds(b, facts, premise))  # its premise is false: no
         atoms = sorted({*facts, *premise, *premise.values()} - {chain_end, distractor})
         third = rng.choice(atoms)
         asked = [chain_end, distractor, third]
         rng.shuffle(asked)
         out.append({"context": context,
                     "questions": [(f"is {a.replace(' is ', ' ')}", ["yes", "no"]) for a in asked],
-                    "truth": ["yes" if holds(a) else "no" for a in asked]})
+                    "truth": ["yes" if holds(a, facts, premise) else "no" for a in asked]})
     return out
+
+
+def holds(atom: str, facts: list[str], premise: dict[str, str]) -> bool:
+    """Whether an atom follows: chase the rule concluding it back to a fact (yes) or to nothing (no)."""
+    while atom in premise:
+        atom = premise[atom]
+    return atom in facts
 
 
 def run(engine, sets: list[dict]) -> dict[str, dict]:
