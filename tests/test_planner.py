@@ -141,7 +141,7 @@ def test_int4_35b_fits_a_24gb_card_at_8k_and_bf16_does_not():
         assert any("weights alone" in s for s in advice) and any("INT4" in s and "fits" in s for s in advice)
         assert "does NOT fit" in p16.message() and "RTX" in p16.message()
     assert plan("clover-35b-a3b", "bf16", 8192).fits_on() == {
-        "rtx3090": False, "rtx4090": False, "rtx5090": False, "h200": True, "gb300": True}
+        "rtx4080": False, "rtx3090": False, "rtx4090": False, "rtx5090": False, "h200": True, "gb300": True}
     # too long a context: the advice is a context that fits, and it does
     p = plan("clover-35b-a3b", "int4", 131072, "rtx4090")
     assert not p.fits()

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from clover_lite.checkpoint.files import SAFETENSORS_DTYPES, TensorInfo, checkpoint_files, read_header, read_tensor
-from clover_lite.checkpoint.names import Assignment, NameMap, canonical_name
+from clover_lite.checkpoint.names import Assignment, NameMap, canonical_name, model_name
 from clover_lite.errors import CheckpointError
 from clover_lite.models.config import ModelConfig
 from clover_lite.models.denoiser import Denoiser
@@ -93,6 +93,7 @@ def install_quantized_modules(model: Denoiser, canon: dict[str, TensorInfo], qc:
     fmt = qc.get("checkpoint_format", "gptq")
     blocksize = int(qc.get("blocksize", 64))
     c = model.config
+    canon = {model_name(n, c): info for n, info in canon.items()}  # the family's module names -> the model's
     expert_layers: dict[str, dict[str, TensorInfo | None]] = {}
     for name in canon:
         if not name.endswith(marker):
@@ -219,14 +220,15 @@ def copy_tensors(
     progress: Callable[[int, int], None] | None = None,
     check_finite: bool = False,
 ) -> int:
-    """Read the planned tensors (those whose canonical name passes `only`) into the model, one at a time,
-    cast to each destination's dtype. Destinations are looked up now, so a model whose layers were
-    materialised after planning (the streaming quantizer) gets the real tensors. `check_finite` scans each
+    """Read the planned tensors (those whose name in the model, checkpoint/names.model_name's, passes `only`)
+    into the model, one at a time, cast to each destination's dtype. Destinations are looked up now, so a
+    model whose layers were materialised after planning (the streaming quantizer) gets the real tensors.
+    `check_finite` scans each
     float tensor, as cast for its destination and still on the host, for NaN/Inf (one isfinite pass over
     bytes just read; integer GPTQ tensors are skipped) and raises CheckpointError naming it. Off by default
     here: load_weights turns it on, and the streaming quantizer runs its own check."""
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
-    todo = [n for n in plans if only is None or only(canonical_name(n))]
+    todo = [n for n in plans if only is None or only(model_name(canonical_name(n), model.config))]
     total, done = len(todo), 0
     with torch.no_grad():
         for f in ckpt.files:

@@ -1,10 +1,18 @@
 """Hub tensor names -> the model's: prefixes of the wrappers, per-expert and fused expert tensors, GPTQ
-parts; each checkpoint tensor becomes assignments into the model's parameters, checked for shape."""
+parts, each family's own module names; each checkpoint tensor becomes assignments into the model's
+parameters, checked for shape.
+
+The model's names are Qwen's (`embed_tokens`, `self_attn.q_proj` ...). SDAR stores exactly those. LLaDA2
+(BailingMoeV2) stores `word_embeddings`, `attention.query_key_value` (q, k, v fused along the output: all q
+heads, then the k heads, then the v heads), `attention.dense`, `attention.query_layernorm` /
+`key_layernorm`, `mlp.shared_experts`, and `mlp.gate.expert_bias`: `BAILING_NAMES` renames them and the fused
+projection is split into q_proj / k_proj / v_proj rows (a 16-bit one; a GPTQ-packed fused projection is not
+read: our own quantizer writes the three projections)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +42,68 @@ _EXPERT = re.compile(
 )
 # GPTQ tensors of a quantized linear; g_idx may be absent (then groups are k // group_size).
 QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+
+
+# LLaDA2's module names inside a layer (and its embedding) -> ours; query_key_value is split, not renamed.
+BAILING_NAMES = (
+    ("attention.dense.", "self_attn.o_proj."),
+    ("attention.query_layernorm.", "self_attn.q_norm."),
+    ("attention.key_layernorm.", "self_attn.k_norm."),
+    ("mlp.shared_experts.", "mlp.shared_expert."),
+)
+BAILING_QKV = "attention.query_key_value."
+
+
+def model_name(canon: str, config: ModelConfig) -> str:
+    """A canonical checkpoint name ('layers.3.attention.dense.weight') as the model names it
+    ('layers.3.self_attn.o_proj.weight'): the family's renames; unchanged for Qwen-named checkpoints (and for
+    LLaDA2's fused query_key_value, which NameMap splits)."""
+    if config.family != "llada2":
+        return canon
+    if canon == "word_embeddings.weight":
+        return "embed_tokens.weight"
+    m = _LAYER.match(canon)
+    if m:
+        rest = m.group(2)
+        for old, new in BAILING_NAMES:
+            if rest.startswith(old):
+                return f"layers.{m.group(1)}.{new}{rest[len(old):]}"
+    return canon
+
+
+def hub_layout(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors in the model's naming (`model.layers.N.self_attn.q_proj.weight`, checkpoint/save.py's
+    checkpoint_tensors) as the family's Hub checkpoints name them: the inverse of model_name, with LLaDA2's
+    q/k/v projections fused into query_key_value (16-bit tensors). Qwen-named families pass unchanged."""
+    if config.family != "llada2":
+        yield from tensors
+        return
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in tensors:
+        if name == "model.embed_tokens.weight":
+            yield "model.word_embeddings.weight", t
+            continue
+        m = _LAYER.match(name[len("model."):]) if name.startswith("model.") else None
+        if not m:
+            yield name, t
+            continue
+        i, rest = m.group(1), m.group(2)
+        qkv = re.match(r"^self_attn\.(q_proj|k_proj|v_proj)\.(weight|bias)$", rest)
+        if qkv:
+            parts = pending.setdefault(f"{i}.{qkv.group(2)}", {})
+            parts[qkv.group(1)] = t
+            if len(parts) == 3:
+                fused = torch.cat([parts["q_proj"], parts["k_proj"], parts["v_proj"]])
+                yield f"model.layers.{i}.{BAILING_QKV}{qkv.group(2)}", fused
+            continue
+        for hub, ours in BAILING_NAMES:
+            if rest.startswith(ours):
+                rest = hub + rest[len(ours):]
+                break
+        yield f"model.layers.{i}.{rest}", t
+    if any(len(p) != 3 for p in pending.values()):
+        raise ValueError("hub_layout: q, k and v projections of a layer must all be given to fuse them")
 
 
 def canonical_name(name: str) -> str | None:
@@ -77,6 +147,18 @@ class NameMap:
         if len(unit) == 2:  # stacked quantized experts: layers.N.mlp.experts.part.suffix
             head, part, suffix = name.rsplit(".", 2)
             return f"model.{head}.{unit[1]}.{part}.{suffix}"
+        if self.c.family == "llada2":  # as LLaDA2 names it
+            if name == "embed_tokens.weight":
+                return "model.word_embeddings.weight"
+            m = _LAYER.match(name)
+            if m:
+                rest = m.group(2)
+                for hub, ours in BAILING_NAMES:
+                    rest = hub + rest[len(ours):] if rest.startswith(ours) else rest
+                for part in ("q_proj.", "k_proj.", "v_proj."):
+                    if rest.startswith(f"self_attn.{part}"):
+                        rest = BAILING_QKV + rest[len(f"self_attn.{part}"):]
+                name = f"layers.{m.group(1)}.{rest}"
         return name if name.startswith("lm_head") else f"model.{name}"
 
     def optional(self, unit: tuple) -> bool:
@@ -86,6 +168,7 @@ class NameMap:
     def plan(self, name: str, shape: tuple[int, ...]) -> list[Assignment] | None:
         """Assignments for one checkpoint tensor; None if the name is not part of this model."""
         c = self.c
+        name = model_name(name, c)
         if name == "lm_head.weight" and c.tie_word_embeddings:
             return []  # tied: the embedding is the head; an extra copy on disk is harmless
         if name.endswith(".weight") and name[: -len(".weight")].endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -113,11 +196,27 @@ class NameMap:
             dest = f"{prefix}mlp.experts.gate_up_proj"
             rows = slice(0, inter) if part == "gate_proj" else slice(inter, 2 * inter)
             return [Assignment(dest, (expert, rows), ((dest, expert, part),), (inter, hidden))]
+        if c.family == "llada2" and rest in (f"{BAILING_QKV}weight", f"{BAILING_QKV}bias") \
+                and f"{prefix}self_attn.q_proj.{rest.rsplit('.', 1)[1]}" in self.params:
+            return self._split_qkv(prefix, rest.rsplit(".", 1)[1])
         if rest == "linear_attn.in_proj_qkvz.weight" and f"{prefix}linear_attn.in_proj_qkv.weight" in self.params:
             return self._split_qkvz(prefix)
         if rest == "linear_attn.in_proj_ba.weight" and f"{prefix}linear_attn.in_proj_b.weight" in self.params:
             return self._split_ba(prefix)
         return None
+
+    def _split_qkv(self, prefix: str, kind: str) -> list[Assignment]:
+        """LLaDA2's query_key_value [(heads + 2 kv_heads) * head_dim, hidden] (or its bias): rows of the q heads,
+        then the k heads, then the v heads (BailingMoeV2Attention views it as heads + 2 kv_heads heads)."""
+        c = self.c
+        nq, nkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        rows = nq + 2 * nkv
+        shape = (rows, c.hidden_size) if kind == "weight" else (rows,)
+        out = []
+        for part, (lo, hi) in (("q_proj", (0, nq)), ("k_proj", (nq, nq + nkv)), ("v_proj", (nq + nkv, rows))):
+            dest = f"{prefix}self_attn.{part}.{kind}"
+            out.append(Assignment(dest, None, ((dest,),), shape, lambda w, lo=lo, hi=hi: w[lo:hi]))
+        return out
 
     def _split_qkvz(self, prefix: str) -> list[Assignment]:
         """Qwen3-Next stores q, k, v, z interleaved per key head; we keep Qwen3.5's [q; k; v] and z."""

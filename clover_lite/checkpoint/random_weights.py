@@ -19,13 +19,14 @@ ProgressFn = Callable[[str, int, int], None]  # (stage, done, total)
 def init_random_(model: torch.nn.Module, seed: int = 0, std: float = 0.02,
                  progress: ProgressFn | None = None) -> torch.nn.Module:
     """Fill a materialised model in place, on its device: float weights normal(0, std); zero-centred (1 + w)
-    norms near 0, GDN gated norms near 1, decays log-uniform in [1, 16], conv filters on the 1/sqrt(kernel)
-    scale; GPTQ tensors random nibbles with a symmetric zero of 8 and scales giving the same spread; random
-    codes for NF4."""
+    norms near 0, GDN gated norms and plain (w) norms near 1, decays log-uniform in [1, 16], conv filters on
+    the 1/sqrt(kernel) scale; GPTQ tensors random nibbles with a symmetric zero of 8 and scales giving the
+    same spread; random codes for NF4."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
-    owners = {f"{n}.{b}" if n else b: m for n, m in model.named_modules() for b, _ in m.named_buffers(recurse=False)}
+    owners = {f"{n}.{b}" if n else b: m for n, m in model.named_modules()
+              for b, _ in [*m.named_buffers(recurse=False), *m.named_parameters(recurse=False)]}
     items = list(model.named_parameters()) + list(model.named_buffers())
     for i, (name, t) in enumerate(items):
         if t.is_floating_point() and not name.endswith(("scales", "nf4_absmax")):
@@ -33,8 +34,9 @@ def init_random_(model: torch.nn.Module, seed: int = 0, std: float = 0.02,
                 t.copy_(torch.empty(t.shape, device=device).uniform_(1.0, 16.0, generator=gen).log())
             elif name.endswith("dt_bias"):
                 t.normal_(1.0, 0.1, generator=gen)
-            elif name.endswith("norm.weight") and "linear_attn" in name:
-                t.normal_(1.0, 0.1, generator=gen)
+            elif name.endswith("norm.weight") and ("linear_attn" in name
+                                                   or not getattr(owners[name], "unit_offset", True)):
+                t.normal_(1.0, 0.1, generator=gen)  # GDN's gated norms and norms scaling by w (not 1 + w)
             elif "norm" in name:
                 t.normal_(0.0, 0.1, generator=gen)
             elif name.endswith("conv1d.weight"):

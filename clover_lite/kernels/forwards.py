@@ -7,6 +7,18 @@ Triton version on the instance, so the class's method stays the reference. Where
 weights in another layout (INT4 words in the tensor cores' order, act-order rows grouped, rows of
 several linears joined into one matmul) it is prepared here, once; a module's own reference still
 computes the same from the prepared tensors (docs/ARCHITECTURE.md, dispatch).
+
+What stays on the reference (the rule for model variants a kernel was not written for): a kernel is bound
+only where it computes what the module's reference does for this variant, checked per module in
+`_install_one`, never by model type. Today:
+- routing: the top-k-softmax kernel serves `Router` (softmax, Qwen) only; a `GroupedSigmoidRouter` (LLaDA2's
+  sigmoid scores, expert bias, group-limited top-k, routed scaling) keeps `SparseMoE.route`, the torch
+  reference (a few launches; no host synchronisation, so the CUDA-graph step can still capture it);
+- the shared expert without a gate (LLaDA2): the experts' combine adds a gated shared expert only, so an
+  ungated one is added to the residual it sums (the same sum in another order);
+- attention without the output gate (SDAR, LLaDA2) runs the same block-attention kernel with no gate, and
+  norms without the (1 + w) offset the same norm kernel with unit_offset off: both kernels take these as
+  arguments and are tested on them.
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ from clover_lite.models.attention import GatedAttention
 from clover_lite.models.denoiser import Denoiser
 from clover_lite.models.gdn import GatedDeltaNet
 from clover_lite.models.layers import GatedRMSNorm, RMSNorm, SwiGLU, join_rows
-from clover_lite.models.moe import SparseMoE
+from clover_lite.models.moe import Router, SparseMoE
 from clover_lite.models.quantized import QuantExperts, QuantLinear
 from clover_lite.quant.pack import sort_rows_by_group
 
@@ -141,6 +153,8 @@ def _swiglu_fused_forward(self: SwiGLU, x: torch.Tensor, residual: torch.Tensor 
 # ---- MoE -----------------------------------------------------------------------------------------------
 def _quant_experts_forward(self: QuantExperts, x, weights, ids, shared=None, shared_logit=None, residual=None):
     parts = [p._int4 for p in (self.gate_proj, self.up_proj, self.down_proj)]
+    if shared is not None and shared_logit is None:  # an ungated shared expert (LLaDA2): into the residual sum
+        residual, shared = (shared if residual is None else residual + shared), None
     extra = dict(validate=False, shared=shared, shared_logit=shared_logit, residual=residual)
     if self.graph_safe:  # inside StaticStep.forward: never the padded path (its buffers are sized on the host)
         return fused_moe(x, weights, ids, *parts, gemv_max_rows=1 << 30, **extra)
@@ -226,7 +240,7 @@ def _install_one(m: nn.Module, changes: configs.KernelChanges) -> None:
         if isinstance(m.gate_proj, QuantLinear):
             m.graph_safe = False  # True only inside StaticStep.forward
             _bind(m, "forward", _quant_experts_forward)
-    elif isinstance(m, SparseMoE):
+    elif isinstance(m, SparseMoE) and type(m.gate) is Router:  # softmax top-k only (see the module docstring)
         mods = [m.gate] + ([m.shared_expert_gate] if m.shared_expert_gate is not None else [])
         m._gate_rows = join_rows(mods)  # the router's and the shared gate's weights then view it
         _bind(m, "route", _moe_route)

@@ -1,4 +1,8 @@
-"""Gated full attention (Qwen3.5 / Qwen3-Next): q/k RMSNorm, partial RoPE, GQA, sigmoid output gate.
+"""Full attention: q/k RMSNorm, (partial) RoPE, GQA, and, by config, a sigmoid output gate.
+
+Qwen3.5 / Qwen3-Next gate the output (`attention_output_gate`: q_proj twice as wide, [query, gate] per head);
+Qwen3 (SDAR) and BailingMoeV2 (LLaDA2) do not. LLaDA2 stores q, k and v fused (`query_key_value`): the loader
+splits it into the three projections here (checkpoint/names.py).
 
 Queries are the positions being run (a block, or a prefill chunk of whole blocks); keys are the
 committed cache plus those positions. The caller supplies the block-causal mask for the new
@@ -38,14 +42,15 @@ class GatedAttention(nn.Module):
         self.n_heads = c.num_attention_heads
         self.n_kv = c.num_key_value_heads
         self.head_dim = c.head_dim
+        self.gated = c.attention_output_gate
         bias = c.attention_bias
-        # q_proj is twice as wide: per head [query, gate].
-        self.q_proj = nn.Linear(c.hidden_size, self.n_heads * self.head_dim * 2, bias=bias)
+        # With the output gate q_proj is twice as wide: per head [query, gate].
+        self.q_proj = nn.Linear(c.hidden_size, self.n_heads * self.head_dim * (2 if self.gated else 1), bias=bias)
         self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=c.attention_output_bias)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, unit_offset=c.norm_unit_offset)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, unit_offset=c.norm_unit_offset)
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> AttentionUpdate:
         """Keys (normed, rotated) and values of x [b, L, hidden] -> [b, kv_heads, L, head_dim]."""
@@ -58,9 +63,14 @@ class GatedAttention(nn.Module):
         """t [b, L, heads, head_dim] -> RoPE(norm(t)) [b, heads, L, head_dim] (one kernel once installed)."""
         return apply_rotary(norm(t).transpose(1, 2), cos, sin)
 
-    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries (normed, rotated) [b, heads, L, head_dim] and the output gate [b, L, heads, head_dim] of x."""
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Queries (normed, rotated) [b, heads, L, head_dim] and the output gate [b, L, heads, head_dim] of x
+        (None without the gate)."""
         b, L, _ = x.shape
+        if not self.gated:
+            q = self.q_proj(x).view(b, L, self.n_heads, self.head_dim)
+            return self.norm_rotary(self.q_norm, q, cos, sin), None
         qg = self.q_proj(x).view(b, L, self.n_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
         return self.norm_rotary(self.q_norm, q, cos, sin), gate
@@ -86,14 +96,15 @@ class GatedAttention(nn.Module):
     def attention(
         self,
         q: torch.Tensor,
-        gate: torch.Tensor,
+        gate: torch.Tensor | None,
         new: AttentionUpdate,
         mask: torch.Tensor | None,
         past: tuple[torch.Tensor, torch.Tensor] | None,
         past_len: torch.Tensor | None = None,
         num_splits: int | None = None,
     ) -> torch.Tensor:
-        """The gated attention output [b, L, heads * head_dim] of queries q over the past and the new keys."""
+        """The attention output [b, L, heads * head_dim] of queries q over the past and the new keys, times
+        sigmoid(gate) when the layer has the output gate."""
         if past_len is not None:  # SDPA below would attend to the whole buffers, unwritten rows included
             raise ValueError("a device-side past_len needs the block-attention kernel (installed at load on a GPU) "
                              "and no mask")
@@ -104,4 +115,4 @@ class GatedAttention(nn.Module):
             v = torch.cat([past[1], v], dim=2)
         out = attend(q, k, v, mask, self.head_dim**-0.5, expand_kv=q.is_cuda and mask is not None)
         out = out.transpose(1, 2).reshape(b, L, self.n_heads * self.head_dim)
-        return out * torch.sigmoid(gate.reshape(b, L, -1))
+        return out if gate is None else out * torch.sigmoid(gate.reshape(b, L, -1))

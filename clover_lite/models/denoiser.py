@@ -1,4 +1,5 @@
-"""The block-diffusion denoiser: a config-driven hybrid GDN / gated-attention MoE transformer.
+"""The block-diffusion denoiser: a config-driven transformer of GDN and attention layers with MoE or dense MLPs
+(Qwen3.5-MoE hybrids, SDAR's Qwen3 / Qwen3-MoE, LLaDA2's BailingMoeV2: models/config.py says which parts).
 
 Two ways to run it, which agree (docs/ARCHITECTURE.md section 2):
 - reference: `model(input_ids, block_size=B)` -> logits of the whole sequence under the block-causal
@@ -52,8 +53,9 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoE(config)
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        offset = config.norm_unit_offset
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=offset)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=offset)
 
     def mix(
         self, x, cos, sin, mask, past_kv, gdn_state, need_state=True, past_len=None, num_splits=None
@@ -84,7 +86,7 @@ class Denoiser(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=config.norm_unit_offset)
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
         # Tied checkpoints reuse the embedding as the output projection (see `logits`).
         self.lm_head = (

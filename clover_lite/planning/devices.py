@@ -42,6 +42,7 @@ class GPU:
 KNOWN_GPUS: dict[str, GPU] = {
     g.key: g
     for g in (
+        GPU("rtx4080", "RTX 4080", 16 * GiB, 717, "16 GB GDDR6X"),
         GPU("rtx3090", "RTX 3090", 24 * GiB, 936, "24 GB GDDR6X"),
         GPU("rtx4090", "RTX 4090", 24 * GiB, 1008, "24 GB GDDR6X"),
         GPU("rtx5090", "RTX 5090", 32 * GiB, 1792, "32 GB GDDR7 (16 x 2 GB modules)"),

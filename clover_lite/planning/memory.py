@@ -134,9 +134,11 @@ def weight_bytes(config: ModelConfig, scheme: QuantScheme, dtype: str) -> dict[s
         if kind == "full_attention":
             nh, kv, hd, b = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.attention_bias
             a = cat("attention (q/k/v/o)")
-            _add(a, _linear(H, 2 * nh * hd, scheme, d, True, b))
+            # q_proj is twice as wide with the output gate; a fused query_key_value (LLaDA2) is held as the
+            # three projections it is split into: the same bytes.
+            _add(a, _linear(H, (2 if c.attention_output_gate else 1) * nh * hd, scheme, d, True, b))
             _add(a, _linear(H, kv * hd, scheme, d, True, b), 2)
-            _add(a, _linear(nh * hd, H, scheme, d, True, b))
+            _add(a, _linear(nh * hd, H, scheme, d, True, c.attention_output_bias))
             _add(small, {fl: 2 * hd * d})  # q_norm, k_norm
         else:
             g = cat("GDN (in_proj_qkv/z, out_proj)")
@@ -153,11 +155,14 @@ def weight_bytes(config: ModelConfig, scheme: QuantScheme, dtype: str) -> dict[s
             _add(ex, _linear(H, inter, scheme, d, True, stack=E), 2)  # gate, up
             _add(ex, _linear(inter, H, scheme, d, True, stack=E))  # down
             _add(small, {fl: E * H * d})  # router
+            if c.router_expert_bias:
+                _add(small, {fl: E * d})  # the grouped router's expert bias (LLaDA2)
             if c.shared_expert_intermediate_size:
                 s, si = cat("shared experts / dense MLP"), c.shared_expert_intermediate_size
                 _add(s, _linear(H, si, scheme, d, True), 2)
                 _add(s, _linear(si, H, scheme, d, True))
-                _add(small, {fl: H * d})  # shared_expert_gate
+                if c.shared_expert_gate:
+                    _add(small, {fl: H * d})  # shared_expert_gate
         else:
             s, inter = cat("shared experts / dense MLP"), c.intermediate_size
             _add(s, _linear(H, inter, scheme, d, True), 2)
@@ -222,7 +227,7 @@ def workspace_bytes(config: ModelConfig, scheme: QuantScheme, dtype: str, tokens
     if scheme.kind == "nf4" or (scheme.kind == "int4" and backend != "triton"):
         shapes = []
         if c.attention_layers:
-            shapes.append(H * 2 * c.num_attention_heads * c.head_dim)
+            shapes.append(H * (2 if c.attention_output_gate else 1) * c.num_attention_heads * c.head_dim)
         if c.gdn_layers:
             shapes.append(H * c.gdn_conv_dim)
         if "moe" in c.mlp_types:

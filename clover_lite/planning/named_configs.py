@@ -44,13 +44,128 @@ def clover_35b_a3b_config() -> dict[str, Any]:
     }
 
 
+# SDAR keeps the architecture of the Qwen3 model it is trained from: JetLM/SDAR-4B-Chat's config.json is
+# Qwen3-4B's with model_type "sdar" (max_position_embeddings 32768, eos 151643, no block or mask keys); the
+# sizes below are the published Qwen3-8B and Qwen3-30B-A3B config.json values that SDAR-8B-Chat and
+# SDAR-30B-A3B-Chat are built on (model_type "sdar_moe" as SGLang / LMDeploy read it). Block 4 and mask
+# 151669 (`<|MASK|>`) are the family's defaults (models/config.py FAMILY_DEFAULTS).
+def sdar_8b_config() -> dict[str, Any]:
+    """config.json of JetLM/SDAR-8B-Chat (Qwen3-8B: 36 layers of GQA 32 q / 8 kv heads of 128, SwiGLU 12288)."""
+    return {
+        "architectures": ["SDARForCausalLM"],
+        "model_type": "sdar",
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000,
+        "rope_scaling": None,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def sdar_30b_a3b_config() -> dict[str, Any]:
+    """config.json of JetLM/SDAR-30B-A3B-Chat (Qwen3-30B-A3B: 48 layers of GQA 32 q / 4 kv heads of 128;
+    128 experts of 768, top-8 renormalised, no shared expert)."""
+    return {
+        "architectures": ["SDARMoeForCausalLM"],
+        "model_type": "sdar_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000,
+        "rope_scaling": None,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _llada2(**sizes: Any) -> dict[str, Any]:
+    cfg = {
+        "architectures": ["LLaDA2MoeModelLM"],
+        "model_type": "llada2_moe",
+        "vocab_size": 157184,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "use_qkv_bias": False,
+        "use_bias": False,
+        "use_qk_norm": True,
+        "norm_head": False,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 600000,
+        "rope_scaling": None,
+        "partial_rotary_factor": 0.5,
+        "rotary_dim": 64,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "num_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "moe_router_enable_expert_bias": True,
+        "score_function": "sigmoid",
+        "tie_word_embeddings": False,
+        "pad_token_id": 156892,
+        "dtype": "bfloat16",
+    }
+    return {**cfg, **sizes}
+
+
+def llada2_1_mini_config() -> dict[str, Any]:
+    """config.json of inclusionAI/LLaDA2.1-mini (16B-A1.4B), as published on its model page: 20 layers (the
+    first dense, 5120 wide), GQA 16 q / 4 kv heads of 128 with RoPE on 64 dims, 256 experts of 512 top-8 in
+    8 groups (best 4) plus one shared expert."""
+    return _llada2(hidden_size=2048, intermediate_size=5120, moe_intermediate_size=512, num_hidden_layers=20,
+                   num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=32768)
+
+
+def llada2_flash_config() -> dict[str, Any]:
+    """config.json of inclusionAI/LLaDA2.0-flash (100B-A6.1B), as inclusionAI/dFactory's
+    configs/model_configs/llada2_flash/config.json gives it: 32 layers (the first dense, 9216 wide), GQA 32 q /
+    4 kv heads of 128, 256 experts of 1024 top-8 plus one shared expert."""
+    return _llada2(hidden_size=4096, intermediate_size=9216, moe_intermediate_size=1024, num_hidden_layers=32,
+                   num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=16384)
+
+
 def _tiny() -> dict[str, Any]:
     from clover_lite.checkpoint.tiny import tiny_config
 
     return tiny_config()
 
 
-NAMED_CONFIGS = {"tiny": _tiny, "clover-35b-a3b": clover_35b_a3b_config}
+NAMED_CONFIGS = {"tiny": _tiny, "clover-35b-a3b": clover_35b_a3b_config, "sdar-8b": sdar_8b_config,
+                 "sdar-30b-a3b": sdar_30b_a3b_config, "llada2.1-mini": llada2_1_mini_config,
+                 "llada2-flash": llada2_flash_config}
 
 
 def named_config(name: str) -> ModelConfig:

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from clover_lite.checkpoint.files import read_header
 from clover_lite.checkpoint.load import Checkpoint, build_model, copy_tensors, plan_checkpoint
-from clover_lite.checkpoint.names import canonical_name
+from clover_lite.checkpoint.names import canonical_name, model_name
 from clover_lite.checkpoint.output import (
     OutputError,
     check_output,
@@ -479,7 +479,8 @@ def _quantize_into(src: Path, out: Path, options: QuantizeOptions, t0: float, co
     block = options.block_size or config.block_size or 4
     n_layers = config.num_hidden_layers
     n_shards = n_layers + 1
-    src_dtype = SAFETENSORS_TO_TORCH.get(ckpt.canonical()["embed_tokens.weight"].dtype, torch.bfloat16)
+    embed = {model_name(n, config): info for n, info in ckpt.canonical().items()}["embed_tokens.weight"]
+    src_dtype = SAFETENSORS_TO_TORCH.get(embed.dtype, torch.bfloat16)
     state_file, acts_file = partial / "state.json", partial / "activations.pt"
 
     L = options.seqlen
