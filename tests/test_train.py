@@ -293,6 +293,32 @@ def test_recall_drill_answers_from_its_prompt():
         assert ex.answer == f"it is {want}"
 
 
+def test_decide_drill_is_the_decide_format_with_chained_truths():
+    """The training-only joint drill: Engine.decide's exact user message and reply for three questions over one
+    rule set, each answer what chaining the rules gives (worked out here independently), never on a held-out
+    `rules` context."""
+    from clover_lite.runtime.decide import decision_messages
+
+    heldout = {ex.prompt.split(" question: ")[0] for ex in tasks.heldout("rules")}
+    rng = random.Random(3)
+    for _ in range(200):
+        ex = tasks.sample_train(rng, ("decide",))
+        context, *lines = ex.prompt.split("\n")
+        assert context not in heldout and len(lines) == 3
+        facts = re.findall(r"(\w+ is \w+)\.", context.split(" rules: ")[0])
+        premise = dict(re.findall(r"(\w+ is \w+) if (\w+ is \w+)\.", context))
+        questions = []
+        for line, answer in zip(lines, ex.answer.split("\n"), strict=True):
+            name, opts = line.split(": ")
+            assert opts == "yes / no"
+            atom = name.removeprefix("is ").replace(" ", " is ")
+            while atom in premise:
+                atom = premise[atom]
+            assert answer == ("yes" if atom in facts else "no")
+            questions.append((name, ["yes", "no"]))
+        assert decision_messages(context, questions)[0] == ex.prompt
+
+
 def test_cite_drill_answers_from_its_prompt():
     """The training-only premise-copy drill: each asked person's rule, in the asked order, read back from the
     prompt by a regex; chains (an atom concluded by one rule and the premise of another) always occur."""

@@ -168,7 +168,7 @@ def layer_pattern(layer_types: tuple[str, ...]) -> str:
 @main.command()
 @click.argument("path", required=False)
 @click.option("--gpu", "gpus", multiple=True,
-              help="A card to check (rtx3090, rtx4090, rtx5090, h200, gb300; repeatable): says what to change "
+              help="A card to check (rtx3090, rtx4080, rtx4090, rtx5090, h200, gb300; repeatable): says what to change "
                    "if the model does not fit. Default: a fit table for every known card.")
 @click.option("--context", type=int, default=8192, show_default=True, help="Context length to plan for.")
 @click.option("--quant", "quants", multiple=True,
@@ -246,7 +246,8 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
         ("layers", f"{c.num_hidden_layers}: {layer_pattern(c.layer_types)}"),
         ("hidden size", str(c.hidden_size)),
         ("attention", f"{c.num_attention_heads} q heads, {c.num_key_value_heads} kv heads, head dim {c.head_dim}, "
-                      f"RoPE on {c.rotary_dim} dims (theta {c.rope_theta:g}), output gate"),
+                      f"RoPE on {c.rotary_dim} dims (theta {c.rope_theta:g})"
+                      + (", output gate" if c.attention_output_gate else "")),
     ]
     if c.gdn_layers:
         rows.append(("Gated DeltaNet", f"{c.linear_num_key_heads} qk heads x {c.linear_key_head_dim}, "
@@ -254,7 +255,7 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
                                        f"conv {c.linear_conv_kernel_dim}"))
     if "moe" in c.mlp_types:
         shared = f" + shared expert {c.shared_expert_intermediate_size}" if c.shared_expert_intermediate_size else ""
-        rows.append(("MoE", f"{c.num_experts} experts, top-{c.num_experts_per_tok}, "
+        rows.append(("MoE", f"{c.num_experts} experts, top-{c.num_experts_per_tok} ({c.router} router), "
                             f"intermediate {c.moe_intermediate_size}{shared}"))
     if "dense" in c.mlp_types:
         rows.append(("dense MLP", f"{c.mlp_types.count('dense')} layers, intermediate {c.intermediate_size}"))

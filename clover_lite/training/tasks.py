@@ -152,10 +152,42 @@ def _cite(rng: random.Random) -> tuple[str, str]:
     return text, " ".join(rule(*r) for r in asked)
 
 
+def _decide(rng: random.Random) -> tuple[str, str]:
+    """Training only (experimental): three questions over one `rules` rule set in `Engine.decide`'s format
+    (runtime/decide.py: the context, a line per question, the answers one per line). Never a held-out
+    `rules` context, so benchmarks/decide.py's sets stay unseen."""
+    from clover_lite.runtime.decide import decision_messages, decision_reply
+
+    while True:
+        prompt, _ = _rules(rng)
+        context = prompt.split(" question: ")[0]
+        if context not in _heldout_rules_contexts():
+            break
+    facts, premise, _ = parse_rules(prompt)
+    atoms = sorted({*facts, *premise, *premise.values()})
+    asked = rng.sample(atoms, 3)
+
+    def holds(atom: str) -> bool:
+        while atom in premise:
+            atom = premise[atom]
+        return atom in facts
+
+    questions = [(f"is {a.replace(' is ', ' ')}", ["yes", "no"]) for a in asked]
+    answers = {name: "yes" if holds(a) else "no" for (name, _), a in zip(questions, asked, strict=True)}
+    user, _ = decision_messages(context, questions)
+    return user, decision_reply(questions, answers)
+
+
+@cache
+def _heldout_rules_contexts() -> frozenset[str]:
+    return frozenset(ex.prompt.split(" question: ")[0] for ex in heldout("rules"))
+
+
 GENERATORS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "sort": _sort, "add": _add, "reverse": _reverse, "rules": _rules, "recall": _recall, "cite": _cite,
+    "decide": _decide,
 }
-TRAIN_ONLY = ("recall", "cite")  # drawn in training when weighted in, never evaluated
+TRAIN_ONLY = ("recall", "cite", "decide")  # drawn in training when weighted in, never evaluated
 
 
 def generate(task: str, rng: random.Random) -> Example:
