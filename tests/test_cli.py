@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from clover_lite.cli.common import TextStreamer
 from clover_lite.cli.main import layer_pattern
+from clover_lite.runtime.text_stream import TextStreamer
 
 
 def clover(*args, input=None):

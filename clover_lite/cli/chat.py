@@ -25,7 +25,6 @@ from typing import TextIO
 import click
 
 from clover_lite.cli.common import (
-    TextStreamer,
     decoding_options,
     fail,
     load_options,
@@ -35,6 +34,7 @@ from clover_lite.cli.common import (
 from clover_lite.cli.terminal import for_stream, terminal_safe
 from clover_lite.errors import CloverError, GenerationError
 from clover_lite.runtime.generation import DoneEvent, GenerationConfig, StepEvent
+from clover_lite.runtime.text_stream import TextStreamer
 
 PLACEHOLDER = "\u2591"  # one per masked position of the current block (dim)
 

@@ -1,34 +1,10 @@
-"""What the `clover` commands share: their option sets, loading with a progress bar, error exits and the
-streamer that prints a reply as it grows."""
+"""What the `clover` commands share: their option sets, loading with a progress bar, and error exits."""
 
 from __future__ import annotations
 
 import sys
 
 import click
-
-
-class TextStreamer:
-    """Turns the growing 'text so far' of step events into chunks safe to print: it holds back a
-    trailing partial UTF-8 character and anything that could still turn out to start a stop string."""
-
-    def __init__(self, stop: tuple[str, ...] = ()):
-        self.printed = ""
-        self.hold = max((len(s) for s in stop), default=1) - 1
-
-    def feed(self, text: str) -> str:
-        text = text.rstrip("\ufffd")
-        safe = text[: len(text) - self.hold] if self.hold else text
-        if not safe.startswith(self.printed) or len(safe) <= len(self.printed):
-            return ""
-        chunk, self.printed = safe[len(self.printed) :], safe
-        return chunk
-
-    def finish(self, text: str) -> str:
-        if text.startswith(self.printed):
-            return text[len(self.printed) :]
-        # Should not happen (text only grows); show the whole answer rather than a garbled one.
-        return "\n" + text
 
 
 def load_with_progress(path, **kwargs):

@@ -9,7 +9,6 @@ import click
 import torch
 
 from clover_lite.cli.common import (
-    TextStreamer,
     decoding_options,
     fail,
     load_options,
@@ -18,6 +17,7 @@ from clover_lite.cli.common import (
 )
 from clover_lite.cli.terminal import for_stream
 from clover_lite.errors import CloverError, GenerationError
+from clover_lite.runtime.text_stream import TextStreamer
 
 # Commands defined in other modules, imported when used (`clover --help` imports them all). Lazy, so that
 # `clover run` does not pay for importing the chat UI, the benchmark or the quantizer.
@@ -27,6 +27,7 @@ LAZY_COMMANDS = {
     "quantize": (".quantize", "quantize"),
     "eval": (".quantize", "eval_cmd"),
     "decide": (".decide", "decide"),
+    "serve": (".serve", "serve"),
 }
 
 
