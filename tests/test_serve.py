@@ -267,3 +267,26 @@ def test_load_benchmark_answers_or_refuses_every_request(tmp_path):
     # Our count and the server's agree: the disconnect is among the answered (its stream had started).
     assert s["served"] + s["cancelled"] == res["answered"] and s["failed"] == 0
     assert s["refused"] == res["refused_503"]
+
+
+def test_a_stop_past_the_drain_time_cancels_the_running_generation():
+    server = ServerProcess("--drain", "0.5")
+    try:
+        import http.client
+
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+        body = {"prompt": "sort: 3 1 2", "max_tokens": 1800, "stream": True, "clover": {"ignore_eos": True}}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.readline().startswith(b"data: ")
+        server.proc.send_signal(signal.SIGINT)
+        try:
+            rest = resp.read().decode()
+        except http.client.IncompleteRead as e:  # the cancelled stream's chunked body ends unfinished
+            rest = e.partial.decode()
+        assert "[DONE]" not in rest  # cut, not finished: 1800 positions take far longer than the drain
+        assert server.proc.wait(60) == 0
+        cancelled = [line for line in server.log if "cancelled (client gone or server stopping)" in line]
+        assert len(cancelled) == 1 and "of 1800 positions" in cancelled[0], "".join(server.log)
+    finally:
+        server.stop()

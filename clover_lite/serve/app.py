@@ -168,6 +168,8 @@ class Server:
                     if job.cancelled:  # the client left: stop before the next step, freeing the engine
                         self.scheduler.record_cancel({"committed_tokens": committed,
                                                       "max_tokens": cfg.max_new_tokens})
+                        log.info("%s cancelled (client gone or server stopping) after %d of %d positions",
+                                 job.label, committed, cfg.max_new_tokens)
                         return None
             finally:
                 events.close()
