@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+import clover_lite
 from clover_lite.cli.main import layer_pattern
 from clover_lite.runtime.text_stream import TextStreamer
 
@@ -151,3 +153,24 @@ def test_info_defaults_to_the_bundled_model_and_labels_its_format():
         outs.append(json.loads(r.output))
     assert outs[0] == outs[1] and outs[0]["model"] == "clover-tiny"
     assert outs[0]["quant"] == "fp16"  # its weights are stored fp16 (config.json says so), not bf16
+
+
+@pytest.mark.parametrize("family,block", [("sdar_moe", 4), ("llada2", 32)])
+def test_tiny_family_writes_that_family_and_it_runs(tmp_path, family, block):
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from clover_lite.checkpoint.tiny_families import write_family_checkpoint
+    from clover_lite.cli.main import main as cli
+
+    out = tmp_path / "m"
+    r = CliRunner().invoke(cli, ["tiny", str(out), "--family", family, "--seed", "5"])
+    assert r.exit_code == 0, r.output
+    ref = write_family_checkpoint(tmp_path / "ref", family, seed=5)
+    got, want = load_file(out / "model.safetensors"), load_file(ref / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    engine = clover_lite.load(out)
+    assert engine.config.block_size == block
+    assert engine.generate([1, 2, 3], max_new_tokens=5, ignore_eos=True).stats.new_tokens == 5
+    r = CliRunner().invoke(cli, ["tiny", str(tmp_path / "b"), "--family", family, "--block-size", "8"])
+    assert r.exit_code == 0 and clover_lite.load(tmp_path / "b").config.block_size == 8

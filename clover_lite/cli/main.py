@@ -339,18 +339,26 @@ def _cards_table(plans, cards, context, block_size):
 
 @main.command()
 @click.argument("out", type=click.Path())
+@click.option("--family", type=click.Choice(["clover_moe", "sdar", "sdar_moe", "llada2"]), default="clover_moe",
+              show_default=True, help="Which model family, in its own Hub layout, tokenizer and defaults.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--block-size", type=int, default=4, show_default=True)
+@click.option("--block-size", type=click.IntRange(min=1), default=None,
+              help="Block size [default: 4; LLaDA2: 32].")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-def tiny(out, seed, block_size, force) -> None:
+def tiny(out, family, seed, block_size, force) -> None:
     """Write a tiny random block-diffusion checkpoint to OUT, to try the runtime without a download."""
     from clover_lite.checkpoint.tiny import write_tiny_checkpoint
+    from clover_lite.checkpoint.tiny_families import write_family_checkpoint
 
+    extra = {} if block_size is None else {"block_size": block_size}
     try:
-        path = write_tiny_checkpoint(out, seed=seed, force=force, block_size=block_size)
+        if family == "clover_moe":
+            path = write_tiny_checkpoint(out, seed=seed, force=force, block_size=block_size or 4)
+        else:
+            path = write_family_checkpoint(out, family, seed=seed, force=force, **extra)
     except CloverError as e:
         fail(e)
-    click.echo(f"wrote a tiny random clover_moe model to {path} (random weights: the text it writes is noise)")
+    click.echo(f"wrote a tiny random {family} model to {path} (random weights: the text it writes is noise)")
 
 
 def _register() -> None:
