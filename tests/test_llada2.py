@@ -307,3 +307,48 @@ def test_named_configs_counted_by_hand():
     mini, flash = plan("llada2.1-mini", "int4", 8192).fits_on(), plan("llada2-flash", "int4", 8192).fits_on()
     assert mini["rtx4080"] and mini["rtx4090"] and not plan("llada2.1-mini", "bf16", 8192).fits_on()["rtx5090"]
     assert not any(flash[c] for c in ("rtx4080", "rtx4090", "rtx5090")) and flash["h200"]
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_fused_query_key_value_as_other_tools_write_it(tmp_path, act_order):
+    """A GPTQ LLaDA2 checkpoint as GPTQ tools write it (query_key_value quantized as one linear: qweight,
+    scales and qzeros concatenated along the output, one g_idx) loads to the same model as our own split
+    q/k/v output: equal logits on a fresh random block."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
+
+    src = write_family_checkpoint(tmp_path / "src", "llada2", seed=int(torch.randint(0, 1000, ())), num_hidden_layers=2,
+                                  block_size=4)
+    opts = QuantizeOptions(method="gptq", group_size=32, nsamples=2, seqlen=32, act_order=act_order)
+    ours = quantize_model(src, tmp_path / "ours", opts).out
+    tensors = {}
+    for f in sorted(ours.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    fused = {}
+    for name, t in tensors.items():
+        if ".self_attn.q_proj." not in name:
+            if ".self_attn.k_proj." not in name and ".self_attn.v_proj." not in name:
+                fused[name] = t
+            continue
+        head, kind = name.split(".self_attn.q_proj.")
+        parts = [tensors[f"{head}.self_attn.{p}.{kind}"] for p in ("q_proj", "k_proj", "v_proj")]
+        if kind == "g_idx":  # one input, one Hessian: the three projections' act-order groups agree
+            assert all(torch.equal(parts[0], p) for p in parts)
+            t = parts[0]
+        else:
+            t = torch.cat(parts, dim=0 if kind == "bias" else 1)
+        fused[f"{head}.attention.query_key_value.{kind}"] = t
+    assert any(".attention.query_key_value.qweight" in n for n in fused)
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in ours.iterdir():
+        if not f.name.startswith("model") and f.is_file():
+            shutil.copy(f, other / f.name)
+    save_file(fused, str(other / "model.safetensors"), metadata={"format": "pt"})
+    a, b = clover_lite.load(ours, device="cpu"), clover_lite.load(other, device="cpu")
+    ids = torch.randint(0, 256, (1, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(b.model(ids, block_size=4), a.model(ids, block_size=4), atol=0, rtol=0)

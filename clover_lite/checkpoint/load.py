@@ -103,21 +103,26 @@ def install_quantized_modules(model: Denoiser, canon: dict[str, TensorInfo], qc:
         if m:
             expert_layers.setdefault(m.group(1), {})[m.group(3)] = canon.get(f"{path}.scales")
             continue
-        try:
-            old = model.get_submodule(path)
-        except AttributeError:
-            continue  # reported as an unexpected tensor by the name map
-        if not isinstance(old, torch.nn.Linear):
-            continue
-        bias = f"{path}.bias" in canon
-        if nf4:
-            new = NF4Linear(old.in_features, old.out_features, blocksize, bias=bias)
-        else:
-            scales = canon.get(f"{path}.scales")
-            groups = scales.shape[0] if scales is not None else 1
-            new = QuantLinear(old.in_features, old.out_features, groups, bias=bias, checkpoint_format=fmt)
-        parent, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent), child, new.to(device="meta"))
+        bias, scales = f"{path}.bias" in canon, canon.get(f"{path}.scales")
+        targets = [path]
+        if c.family == "llada2" and path.endswith(".attention.query_key_value"):
+            # Other tools quantize LLaDA2's fused projection as one linear: its three parts share its groups.
+            base = path[: -len("attention.query_key_value")]
+            targets = [f"{base}self_attn.{part}" for part in ("q_proj", "k_proj", "v_proj")]
+        for target in targets:
+            try:
+                old = model.get_submodule(target)
+            except AttributeError:
+                continue  # reported as an unexpected tensor by the name map
+            if not isinstance(old, torch.nn.Linear):
+                continue
+            if nf4:
+                new = NF4Linear(old.in_features, old.out_features, blocksize, bias=bias)
+            else:
+                groups = scales.shape[0] if scales is not None else 1
+                new = QuantLinear(old.in_features, old.out_features, groups, bias=bias, checkpoint_format=fmt)
+            parent, _, child = target.rpartition(".")
+            setattr(model.get_submodule(parent), child, new.to(device="meta"))
     for mlp_path, parts in expert_layers.items():
         if set(parts) != {"gate_proj", "up_proj", "down_proj"}:
             raise CheckpointError(f"{mlp_path}: quantized experts need gate_proj, up_proj and down_proj tensors")

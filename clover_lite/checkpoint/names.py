@@ -6,8 +6,8 @@ The model's names are Qwen's (`embed_tokens`, `self_attn.q_proj` ...). SDAR stor
 (BailingMoeV2) stores `word_embeddings`, `attention.query_key_value` (q, k, v fused along the output: all q
 heads, then the k heads, then the v heads), `attention.dense`, `attention.query_layernorm` /
 `key_layernorm`, `mlp.shared_experts`, and `mlp.gate.expert_bias`: `BAILING_NAMES` renames them and the fused
-projection is split into q_proj / k_proj / v_proj rows (a 16-bit one; a GPTQ-packed fused projection is not
-read: our own quantizer writes the three projections)."""
+projection is split into q_proj / k_proj / v_proj (a 16-bit one by rows; a GPTQ-quantized one, as other
+tools write it, by output columns; our own quantizer writes the three projections)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ BAILING_NAMES = (
     ("mlp.shared_experts.", "mlp.shared_expert."),
 )
 BAILING_QKV = "attention.query_key_value."
+# What a fused query_key_value may carry: 16-bit weight and bias, or a GPTQ-quantized linear's tensors.
+QKV_KINDS = ("weight", "bias", "qweight", "qzeros", "scales", "g_idx")
 
 
 def model_name(canon: str, config: ModelConfig) -> str:
@@ -196,9 +198,9 @@ class NameMap:
             dest = f"{prefix}mlp.experts.gate_up_proj"
             rows = slice(0, inter) if part == "gate_proj" else slice(inter, 2 * inter)
             return [Assignment(dest, (expert, rows), ((dest, expert, part),), (inter, hidden))]
-        if c.family == "llada2" and rest in (f"{BAILING_QKV}weight", f"{BAILING_QKV}bias") \
-                and f"{prefix}self_attn.q_proj.{rest.rsplit('.', 1)[1]}" in self.params:
-            return self._split_qkv(prefix, rest.rsplit(".", 1)[1])
+        if c.family == "llada2" and rest.startswith(BAILING_QKV) and rest[len(BAILING_QKV):] in QKV_KINDS \
+                and f"{prefix}self_attn.q_proj.{rest[len(BAILING_QKV):]}" in self.params:
+            return self._split_qkv(prefix, rest[len(BAILING_QKV):])
         if rest == "linear_attn.in_proj_qkvz.weight" and f"{prefix}linear_attn.in_proj_qkv.weight" in self.params:
             return self._split_qkvz(prefix)
         if rest == "linear_attn.in_proj_ba.weight" and f"{prefix}linear_attn.in_proj_b.weight" in self.params:
@@ -206,16 +208,23 @@ class NameMap:
         return None
 
     def _split_qkv(self, prefix: str, kind: str) -> list[Assignment]:
-        """LLaDA2's query_key_value [(heads + 2 kv_heads) * head_dim, hidden] (or its bias): rows of the q heads,
-        then the k heads, then the v heads (BailingMoeV2Attention views it as heads + 2 kv_heads heads)."""
-        c = self.c
-        nq, nkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        rows = nq + 2 * nkv
-        shape = (rows, c.hidden_size) if kind == "weight" else (rows,)
-        out = []
-        for part, (lo, hi) in (("q_proj", (0, nq)), ("k_proj", (nq, nq + nkv)), ("v_proj", (nq + nkv, rows))):
-            dest = f"{prefix}self_attn.{part}.{kind}"
-            out.append(Assignment(dest, None, ((dest,),), shape, lambda w, lo=lo, hi=hi: w[lo:hi]))
+        """LLaDA2's query_key_value (or its bias, or its GPTQ tensors) into q_proj / k_proj / v_proj: the q heads,
+        then the k heads, then the v heads (BailingMoeV2Attention views it as heads + 2 kv_heads heads). A
+        16-bit weight splits by rows; GPTQ's qweight, scales and qzeros by columns (the output dimension,
+        packed 8 to an int32 in qzeros); g_idx indexes the shared input and goes to all three whole."""
+        parts = [f"{prefix}self_attn.{p}.{kind}" for p in ("q_proj", "k_proj", "v_proj")]
+        shapes = [tuple(self.params[d].shape) for d in parts]
+        if kind == "g_idx":
+            return [Assignment(d, None, ((d,),), shapes[0]) for d in parts]
+        axis = 0 if kind in ("weight", "bias") else 1
+        widths = [sh[axis] for sh in shapes]
+        fused = list(shapes[0])
+        fused[axis] = sum(widths)
+        out, lo = [], 0
+        for dest, width in zip(parts, widths, strict=True):
+            cut = (slice(lo, lo + width),) if axis == 0 else (slice(None), slice(lo, lo + width))
+            out.append(Assignment(dest, None, ((dest,),), tuple(fused), lambda w, cut=cut: w[cut]))
+            lo += width
         return out
 
     def _split_qkvz(self, prefix: str) -> list[Assignment]:
