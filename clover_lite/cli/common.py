@@ -6,9 +6,12 @@ import sys
 
 import click
 
+from clover_lite.errors import CloverError
 
-def load_with_progress(path, **kwargs):
-    """clover_lite.load with a progress bar on a terminal (stderr) and the loader's notes printed."""
+
+def load_with_progress(path, diffusion_gemma: bool = False, **kwargs):
+    """clover_lite.load with a progress bar on a terminal (stderr) and the loader's notes printed. A
+    DiffusionGemma checkpoint is refused (one error line) unless the command runs it (`diffusion_gemma`)."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -26,6 +29,12 @@ def load_with_progress(path, **kwargs):
         with Progress(*columns, console=console, transient=True) as bar:
             task = bar.add_task("load", total=None)
             engine = load(path, progress=lambda done, total: bar.update(task, completed=done, total=total), **kwargs)
+    from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaEngine
+
+    if isinstance(engine, DiffusionGemmaEngine) and not diffusion_gemma:
+        name = ctx.info_name if ctx is not None else "this command"
+        fail(CloverError(f"{path}: a DiffusionGemma checkpoint; `clover run` and the Python API run it, "
+                         f"`clover {name}` does not yet"))
     for note in engine.load_report.notes if engine.load_report else []:
         click.echo(f"note: {note}", err=True)
     return engine

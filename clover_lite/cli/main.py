@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -86,13 +87,16 @@ def run_arguments(words: tuple[str, ...], option: str | None) -> tuple[str | Non
 def run(words, model_path, raw, system, device, dtype, context, stats, **decoding) -> None:
     """Generate a reply to PROMPT ('-' reads it from stdin) and stream it to stdout, with the model in
     directory MODEL (or --model; default: the bundled model)."""
+    from clover_lite.runtime.engine import Engine
     from clover_lite.runtime.generation import DoneEvent, StepEvent
 
     model_path, prompt = run_arguments(words, model_path)
     if prompt == "-":
         prompt = sys.stdin.read()
     try:
-        engine = load_with_progress(model_path, device=device, dtype=dtype, context=context)
+        engine = load_with_progress(model_path, diffusion_gemma=True, device=device, dtype=dtype, context=context)
+        if not isinstance(engine, Engine):  # DiffusionGemma: its own loop and settings
+            return run_diffusion_gemma(engine, prompt, raw, system, stats, decoding)
         use_chat = not raw and engine.tokenizer is not None and engine.tokenizer.has_chat_template
         if use_chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [
@@ -124,6 +128,42 @@ def run(words, model_path, raw, system, device, dtype, context, stats, **decodin
             f"finish: {result.finish_reason}]",
             err=True,
         )
+
+
+def run_diffusion_gemma(engine, prompt: str, raw: bool, system: str | None, stats: bool, decoding: dict) -> None:
+    """`clover run` on a DiffusionGemma checkpoint: each canvas printed as it is finished. Of the decoding
+    options only -n and --seed apply; another one given on the command line is an error naming it."""
+    from click.core import ParameterSource
+
+    from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaReply, TextEvent
+
+    ctx = click.get_current_context()
+    given = sorted(k for k in decoding if k not in ("max_new_tokens", "seed")
+                   and ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE)
+    if given:
+        raise click.UsageError(f"--{given[0].replace('_', '-')} does not apply to DiffusionGemma (it denoises whole "
+                               "canvases with its own sampler); of the decoding options -n and --seed apply")
+    tok = engine.tokenizer
+    if not raw and tok is not None and tok.has_chat_template:
+        request = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    else:
+        request = prompt
+    shown, reply, t0 = "", None, time.perf_counter()
+    try:
+        for event in engine.stream(request, raw=raw, seed=decoding["seed"], max_new_tokens=decoding["max_new_tokens"]):
+            if isinstance(event, TextEvent) and event.committed.startswith(shown) and len(event.committed) > len(shown):
+                click.echo(for_stream(event.committed[len(shown):], sys.stdout), nl=False)
+                shown = event.committed
+            elif isinstance(event, DiffusionGemmaReply):
+                reply = event
+                rest = reply.text[len(shown):] if reply.text.startswith(shown) else "\n" + reply.text
+                click.echo(for_stream(rest, sys.stdout))
+    except CloverError as e:
+        fail(e)
+    if stats and reply is not None:
+        r, seconds = reply.result, time.perf_counter() - t0
+        click.echo(f"[{len(r.tokens)} tokens in {seconds:.2f} s, {r.canvases} canvases, {r.steps} decoder forwards, "
+                   f"{r.tokens_per_forward:.2f} tokens/forward, finish: {r.finish_reason}]", err=True)
 
 
 def fit_reply(prompt_tokens: int, asked: int, context: int) -> int:
@@ -339,7 +379,8 @@ def _cards_table(plans, cards, context, block_size):
 
 @main.command()
 @click.argument("out", type=click.Path())
-@click.option("--family", type=click.Choice(["clover_moe", "sdar", "sdar_moe", "llada2"]), default="clover_moe",
+@click.option("--family", type=click.Choice(["clover_moe", "sdar", "sdar_moe", "llada2", "diffusion_gemma"]),
+              default="clover_moe",
               show_default=True, help="Which model family, in its own Hub layout, tokenizer and defaults.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--block-size", type=click.IntRange(min=1), default=None,
@@ -354,6 +395,12 @@ def tiny(out, family, seed, block_size, force) -> None:
     try:
         if family == "clover_moe":
             path = write_tiny_checkpoint(out, seed=seed, force=force, block_size=block_size or 4)
+        elif family == "diffusion_gemma":
+            if block_size is not None:
+                raise click.UsageError("--block-size does not apply to DiffusionGemma (it denoises whole canvases)")
+            from clover_lite.checkpoint.tiny_diffusion_gemma import write_tiny_diffusion_gemma
+
+            path = write_tiny_diffusion_gemma(out, seed=seed, force=force)
         else:
             path = write_family_checkpoint(out, family, seed=seed, force=force, **extra)
     except CloverError as e:

@@ -208,6 +208,11 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelC
     model_type = raw.get("model_type")
     if model_type is None:
         raise ConfigError(f"{source}: no 'model_type' key; clover-lite reads {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if model_type == "diffusion_gemma":
+        raise ConfigError(
+            f"{source}: a DiffusionGemma checkpoint (an encoder-decoder, not a block denoiser): clover_lite.load() "
+            "and `clover run` run it; this command does not read it yet"
+        )
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"{source}: unknown model_type '{str(model_type)[:60]}'. clover-lite runs "

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,12 +16,16 @@ from clover_lite.models.config import ModelConfig, load_config
 from clover_lite.models.denoiser import Denoiser
 from clover_lite.runtime.canvas import fill_canvas
 from clover_lite.runtime.decide import Decision, Filled, Questions, decision_messages, question_list
+from clover_lite.runtime.device import on_device, resolve_device, resolve_dtype
 from clover_lite.runtime.exclusive import OneAtATime
 from clover_lite.runtime.generation import CachedRunner, DoneEvent, Event, Generation, GenerationConfig, denoise
 from clover_lite.runtime.graph import MAX_STATIC_CONTEXT, StaticStep, use_static_step
 from clover_lite.runtime.template import Canvas, SlotSpec, build_canvas, filled_text
 from clover_lite.tokenizer.incremental import IncrementalDecoder
 from clover_lite.tokenizer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaEngine
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -36,37 +40,6 @@ def default_model_path() -> Path:
             "(`clover tiny DIR` writes a tiny random one to try the runtime)"
         )
     return BUNDLED_MODEL
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CloverError(f"device '{device}' requested but CUDA is not available here; use device='cpu' or 'auto'")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        n = torch.cuda.device_count()
-        raise CloverError(f"device '{device}' requested but this machine has {n} CUDA device{'s' * (n != 1)} "
-                          f"(cuda:0 to cuda:{n - 1})")
-    return dev
-
-
-def on_device(device: torch.device) -> contextlib.AbstractContextManager:
-    """`device` made the current CUDA device for the block (nothing to do elsewhere)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if dtype is None:
-        # bf16 matmuls on CPU are slow and fp16 inexact there: fp32 on CPU, bf16 on GPUs.
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if dtype not in names:
-        raise CloverError(f"unknown dtype '{dtype}'; use one of {sorted(names)}")
-    return names[dtype]
 
 
 class Engine:
@@ -345,8 +318,11 @@ def load(
     kernels: str | None = None,
     static_step: bool | None = None,
     check_finite: bool = True,
-) -> Engine:
+) -> Engine | DiffusionGemmaEngine:
     """Load a model directory (Hugging Face layout: config.json, safetensors, tokenizer files).
+
+    A DiffusionGemma checkpoint (model_type `diffusion_gemma`) gives a DiffusionGemmaEngine
+    (runtime/diffusion_gemma_engine.py: `generate` and `stream` with its own settings), on the PyTorch path.
 
     `path` None loads the bundled default model. `device` "auto" picks CUDA when present; `dtype` None
     means fp32 on CPU and bf16 on a GPU. `check_memory` plans the model's memory first (clover_lite.plan) and
@@ -363,6 +339,9 @@ def load(
         raise CloverError(f"{model_path}: no such model directory")
     if not model_path.is_dir():
         raise CloverError(f"{model_path}: expected a model directory (config.json, *.safetensors, tokenizer)")
+    if _is_diffusion_gemma(model_path):
+        return _load_diffusion_gemma(model_path, device, dtype, mask_token_id=mask_token_id, context=context,
+                                     kernels=kernels, static_step=static_step)
     config = load_config(model_path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -388,3 +367,27 @@ def load(
         tokenizer = Tokenizer.from_dir(model_path)
     return Engine(model, tokenizer, model_path, mask_token_id, report, context=context, static_step=static_step,
                   static_context=fits)
+
+
+def _is_diffusion_gemma(path: Path) -> bool:
+    """Whether config.json names DiffusionGemma (an unreadable one is left to load_config to report)."""
+    import json
+
+    from clover_lite.models.diffusion_gemma_config import is_diffusion_gemma
+
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and is_diffusion_gemma(raw)
+
+
+def _load_diffusion_gemma(path: Path, device, dtype, **engine_options) -> DiffusionGemmaEngine:
+    from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaEngine
+
+    given = sorted(k for k, v in engine_options.items() if v is not None)
+    if given:
+        raise CloverError(f"{path}: DiffusionGemma runs on the PyTorch path with its own settings; "
+                          f"{', '.join(given)} does not apply to it (leave it out)")
+    return DiffusionGemmaEngine.load(path, device, dtype)
+

@@ -1,0 +1,117 @@
+"""A DiffusionGemma checkpoint ready to generate text: model, tokenizer, settings and a prefix-cache session.
+
+The seam for `clover_lite.load()` / the CLI: `DiffusionGemmaEngine.load(path)` for a config.json whose
+model_type is `diffusion_gemma` (checked with models.diffusion_gemma_config.is_diffusion_gemma). Prompts are
+text (through the chat template when there is one), chat messages or token ids, as Engine takes them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clover_lite.checkpoint.diffusion_gemma_weights import DiffusionGemmaLoadReport, load_diffusion_gemma
+from clover_lite.errors import GenerationError
+from clover_lite.models.diffusion_gemma import DiffusionGemma
+from clover_lite.runtime.device import resolve_device, resolve_dtype
+from clover_lite.runtime.diffusion_gemma_loop import (
+    CanvasEvent,
+    DiffusionGemmaResult,
+    DiffusionGemmaSettings,
+    DoneEvent,
+    Session,
+    StepEvent,
+    settings_from_generation_config,
+    stream,
+)
+from clover_lite.tokenizer.tokenizer import Tokenizer
+
+
+@dataclass
+class DiffusionGemmaReply:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    result: DiffusionGemmaResult
+
+
+@dataclass
+class TextEvent:
+    """Text so far: `committed` (finished canvases) then `draft` (the current canvas's argmax, changing)."""
+
+    committed: str
+    draft: str
+    event: StepEvent | CanvasEvent
+
+
+class DiffusionGemmaEngine:
+    def __init__(self, path: Path, model: DiffusionGemma, tokenizer: Tokenizer | None,
+                 settings: DiffusionGemmaSettings, report: DiffusionGemmaLoadReport):
+        self.path, self.model, self.tokenizer, self.settings, self.report = path, model, tokenizer, settings, report
+        self.session = Session()  # one conversation's prefix cache, reused while prompts extend it
+
+    @property
+    def load_report(self) -> DiffusionGemmaLoadReport:
+        """What loading read and skipped (Engine's name for it: the CLI prints its notes)."""
+        return self.report
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu",
+             dtype: str | torch.dtype | None = None) -> DiffusionGemmaEngine:
+        path = Path(path)
+        dev = resolve_device(device)
+        model, report = load_diffusion_gemma(path, dev, resolve_dtype(dtype, dev))
+        has_tokenizer = (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()
+        tokenizer = Tokenizer.from_dir(path) if has_tokenizer else None
+        settings = settings_from_generation_config(path, eos_fallback=model.config.eos_token_ids)
+        return cls(path, model, tokenizer, settings, report)
+
+    def encode_prompt(self, prompt: str | Sequence[int] | Sequence[dict[str, Any]], raw: bool = False) -> list[int]:
+        """Token ids of a prompt: text (a user turn through the chat template unless `raw` or there is none),
+        chat messages, or token ids."""
+        if isinstance(prompt, str) or (prompt and all(isinstance(m, dict) for m in prompt)):
+            if self.tokenizer is None:
+                raise GenerationError(f"{self.path}: the model has no tokenizer files; pass token ids instead of text")
+            if isinstance(prompt, str) and (raw or not self.tokenizer.has_chat_template):
+                return self.tokenizer.encode(prompt)
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [int(t) for t in prompt]
+        raise GenerationError("prompt must be a string, a list of token ids, or a list of chat message dicts")
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer else ""
+
+    def stream(self, prompt: str | Sequence[int] | Sequence[dict[str, Any]], *, raw: bool = False,
+               seed: int | None = None, images: Any = None, **overrides: Any
+               ) -> Iterator[TextEvent | DiffusionGemmaReply]:
+        """TextEvents per step and per canvas, then the DiffusionGemmaReply. The engine's session keeps the
+        prefix cache: a follow-up whose token ids extend the last conversation encodes only what is new."""
+        unknown = set(overrides) - set(DiffusionGemmaSettings.__dataclass_fields__)
+        if unknown:
+            raise GenerationError(f"unknown DiffusionGemma setting(s): {', '.join(sorted(unknown))}")
+        settings = replace(self.settings, **overrides) if overrides else self.settings
+        device = self.model.decoder.embed_tokens.weight.device
+        gen = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+        committed: list[int] = []
+        for event in stream(self.model, self.encode_prompt(prompt, raw), settings, self.session, gen, images):
+            if isinstance(event, StepEvent):
+                yield TextEvent(self.decode(committed), self.decode(event.draft), event)
+            elif isinstance(event, CanvasEvent):
+                committed += event.tokens
+                yield TextEvent(self.decode(committed), "", event)
+            elif isinstance(event, DoneEvent):
+                r = event.result
+                yield DiffusionGemmaReply(self.decode(r.tokens), r.tokens, r.finish_reason, r)
+
+    def generate(self, prompt: str | Sequence[int] | Sequence[dict[str, Any]], **kwargs: Any) -> DiffusionGemmaReply:
+        for event in self.stream(prompt, **kwargs):
+            if isinstance(event, DiffusionGemmaReply):
+                return event
+        raise AssertionError("stream ended without a reply")
