@@ -270,3 +270,44 @@ def test_text_config_and_defaults():
     assert c.tie_word_embeddings and c.num_key_value_heads == 2 and c.head_dim == 8
     with pytest.raises(ConfigError, match="text_config"):
         config_from_dict({"model_type": "qwen3_5_moe", **text})
+
+
+def test_the_official_clover_checkpoint_is_refused_never_run_as_the_backbone(ckpt):
+    """model_type clover_moe with its own modeling code (auto_map) is the official checkpoint, whose
+    block-diffusion parts are not public: load, info and run refuse it with one message naming what is not
+    supported. Its extra GDN tensors, without the auto_map, are named as the official model's parts."""
+    import clover_lite
+    from clover_lite.cli.main import main as cli
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "configuration_clover.CloverConfig",
+                       "AutoModelForCausalLM": "modeling_clover.CloverForCausalLM"}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="official Clover checkpoint.*modeling_clover.CloverForCausalLM.*refuses"):
+        clover_lite.load(ckpt, device="cpu")
+    from click.testing import CliRunner
+
+    for args in (["info", str(ckpt)], ["run", str(ckpt), "hi"]):
+        r = CliRunner().invoke(cli, args)
+        assert r.exit_code != 0 and "official Clover checkpoint" in r.output and "Traceback" not in r.output
+    del cfg["auto_map"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    _rewrite(ckpt, lambda t: t.update({"model.layers.0.linear_attn.right_conv.weight": torch.zeros(8, 3)}))
+    with pytest.raises(CheckpointError, match="right_conv.*official Clover checkpoint's block-diffusion GDN"):
+        _load(ckpt)
+
+
+def test_a_checkpoint_of_another_family_is_named(tmp_path):
+    """An sdar config over LLaDA2 tensors (same vocabulary): the unexpected tensors are named as LLaDA2's."""
+    from clover_lite.checkpoint.tiny_families import write_family_checkpoint
+
+    sdar = write_family_checkpoint(tmp_path / "sdar", "sdar", num_hidden_layers=2)
+    llada = write_family_checkpoint(tmp_path / "llada", "llada2", num_hidden_layers=2)
+    vocab = json.loads((sdar / "config.json").read_text())["vocab_size"]
+    tensors = {k: v for k, v in load_file(llada / "model.safetensors").items()}
+    for k in ("model.word_embeddings.weight", "lm_head.weight"):
+        if k in tensors:
+            tensors[k] = tensors[k][:vocab]
+    save_file(tensors, str(sdar / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="LLaDA2 .BailingMoeV2. names: is config.json's model_type llada2_moe"):
+        _load(sdar)

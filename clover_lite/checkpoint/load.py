@@ -83,6 +83,27 @@ def _checked_quant_config(qc: object, file: Path) -> dict:
     return qc
 
 
+# Tensor names that tell which family a checkpoint is, for the unexpected-tensor error.
+FAMILY_MARKERS = (
+    ("right_conv", "the official Clover checkpoint's block-diffusion GDN (its right / clean-prefix convolutions), "
+                   "which clover-lite does not run yet: its code is not public, and without it the model would run "
+                   "wrong, so it is refused"),
+    ("query_key_value", "LLaDA2 (BailingMoeV2) names: is config.json's model_type llada2_moe?"),
+    ("word_embeddings", "LLaDA2 (BailingMoeV2) names: is config.json's model_type llada2_moe?"),
+    ("linear_attn.", "Gated DeltaNet tensors (Qwen3.5-MoE / Clover): is config.json's model_type clover_moe or "
+                     "qwen3_5_moe, with its layer_types?"),
+)
+
+
+def family_hint(names: list[str], config: ModelConfig) -> str:
+    """What the unexpected tensors' names say about the checkpoint, else the generic advice."""
+    for marker, says in FAMILY_MARKERS:
+        if any(marker in n for n in names) and not (marker in ("query_key_value", "word_embeddings")
+                                                     and config.family == "llada2"):
+            return f"They look like {says}."
+    return "Check that config.json matches the weights."
+
+
 def install_quantized_modules(model: Denoiser, canon: dict[str, TensorInfo], qc: dict) -> None:
     """Swap the float modules that the checkpoint stores quantized (GPTQ `qweight`, NF4 `nf4_weight`)
     for quantized ones, on the meta device."""
@@ -203,7 +224,7 @@ def plan_checkpoint(model: Denoiser, ckpt: Checkpoint) -> tuple[dict[str, list[A
         shown = ", ".join(unexpected[:20]) + (f" and {len(unexpected) - 20} more" if len(unexpected) > 20 else "")
         raise CheckpointError(
             f"{len(unexpected)} unexpected tensor(s) in {ckpt.path} that this {model.config.model_type} config has "
-            f"no place for: {shown}. Check that config.json matches the weights."
+            f"no place for: {shown}. {family_hint(unexpected, model.config)}"
         )
     filled = {u for plan in plans.values() for a in plan for u in a.units}
     missing = [u for units in mapping.units.values() for u in units if u not in filled and not mapping.optional(u)]

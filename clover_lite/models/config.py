@@ -208,6 +208,16 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelC
     model_type = raw.get("model_type")
     if model_type is None:
         raise ConfigError(f"{source}: no 'model_type' key; clover-lite reads {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if model_type == "clover_moe" and raw.get("auto_map"):
+        classes = ", ".join(sorted(str(v) for v in raw["auto_map"].values())[:3]) \
+            if isinstance(raw["auto_map"], dict) else str(raw["auto_map"])[:80]
+        raise ConfigError(
+            f"{source}: this is the official Clover checkpoint, with its own modeling code ({classes}). Its "
+            "block-diffusion parts (the GDN's clean-prefix and right convolutions, block coreset routing, semantic "
+            "RoPE positions) are not public, so clover-lite cannot run them exactly and refuses the checkpoint "
+            "rather than run its Qwen3.5-MoE backbone alone, which is not the model. The public block-diffusion "
+            "families (SDAR, LLaDA2, DiffusionGemma) run; see README, Supported models"
+        )
     if model_type == "diffusion_gemma":
         raise ConfigError(
             f"{source}: a DiffusionGemma checkpoint (an encoder-decoder, not a block denoiser): clover_lite.load() "
