@@ -2,6 +2,7 @@
 raw HTTP. What it returns is checked against the same model run in this process through the Python API
 (greedy decoding, or the same seed where sampling), on fresh random prompts."""
 
+import http.client
 import json
 import random
 import runpy
@@ -37,6 +38,16 @@ def server():
 
 def client(server, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def open_stream(server, max_tokens: int, headers: dict | None = None):
+    """A streamed completion that runs long (EOS ignored), its first chunk read: (connection, response)."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    body = {"prompt": "sort: 3 1 2", "max_tokens": max_tokens, "stream": True, "clover": {"ignore_eos": True}}
+    conn.request("POST", "/v1/completions", json.dumps(body), {**(headers or {}), "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    return conn, resp
 
 
 def digits(rng: random.Random) -> str:
@@ -196,13 +207,7 @@ def test_api_key_queue_limit_and_a_disconnect_mid_stream(tmp_path):
         with pytest.raises(openai.AuthenticationError):
             client(server, "wrong").models.list()
         auth = {"Authorization": "Bearer sesame"}
-        import http.client
-
-        conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
-        body = {"prompt": "sort: 3 1 2", "max_tokens": 1500, "stream": True, "clover": {"ignore_eos": True}}
-        conn.request("POST", "/v1/completions", json.dumps(body), {**auth, "Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        conn, _ = open_stream(server, 1500, auth)
         status, headers, raw = server.request("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2},
                                               headers=auth)
         assert status == 503 and int(headers["retry-after"]) >= 1 and b"busy" in raw
@@ -224,13 +229,7 @@ def test_api_key_queue_limit_and_a_disconnect_mid_stream(tmp_path):
 def test_sigterm_drains_the_running_request_and_refuses_the_waiting_ones():
     server = ServerProcess("--max-queue", "4")
     try:
-        import http.client
-
-        conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
-        body = {"prompt": "sort: 3 1 2", "max_tokens": 120, "stream": True, "clover": {"ignore_eos": True}}
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.readline().startswith(b"data: ")
+        _, resp = open_stream(server, 120)
         waiting = {}
         t = threading.Thread(target=lambda: waiting.update(r=server.request("POST", "/v1/completions",
                                                                             {"prompt": "hi", "max_tokens": 2})))
@@ -272,13 +271,7 @@ def test_load_benchmark_answers_or_refuses_every_request(tmp_path):
 def test_a_stop_past_the_drain_time_cancels_the_running_generation():
     server = ServerProcess("--drain", "0.5")
     try:
-        import http.client
-
-        conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
-        body = {"prompt": "sort: 3 1 2", "max_tokens": 1800, "stream": True, "clover": {"ignore_eos": True}}
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.readline().startswith(b"data: ")
+        _, resp = open_stream(server, 1800)
         server.proc.send_signal(signal.SIGINT)
         try:
             rest = resp.read().decode()

@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from clover_lite.errors import CloverError
@@ -164,6 +164,24 @@ def publish_directory(tmp: Path, out: Path, kind: str) -> None:
         out.rename(old)
         tmp.rename(out)
         shutil.rmtree(old, ignore_errors=True)
+
+
+def write_directory(out: str | os.PathLike, write: Callable[[Path], None], kind: str, force: bool = False) -> Path:
+    """Write a model directory: check `out` (check_output's rules), let `write(tmp)` fill a temporary sibling,
+    then move it into place. A failure, a full disk included, leaves nothing behind and one clear error."""
+    out = Path(out)
+    check_output(out, force=force)
+    tmp = temporary_sibling(out, "tmp")
+    try:
+        write(tmp)
+        publish_directory(tmp, out, kind)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputError(f"cannot write {out}: {e.strerror or e}; nothing was written") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 def check_file_target(path: str | os.PathLike) -> Path:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from clover_lite.checkpoint.diffusion_gemma_weights import hub_name
-from clover_lite.checkpoint.output import OutputError, check_output, publish_directory, temporary_sibling
+from clover_lite.checkpoint.output import write_directory
 from clover_lite.checkpoint.random_weights import init_random_
 from clover_lite.models.diffusion_gemma import DiffusionGemma
 from clover_lite.models.diffusion_gemma_config import diffusion_gemma_config_from_dict
@@ -140,19 +139,11 @@ def write_tiny_diffusion_gemma(out: str | os.PathLike, seed: int = 0, force: boo
     cfg_json = tiny_config(canvas_length, tie_word_embeddings, **text)
     config = diffusion_gemma_config_from_dict(cfg_json, source="tiny diffusion_gemma")
     model = randomize_(DiffusionGemma(config).float(), seed)
-    out = Path(out)
-    check_output(out, force=force)
-    tmp = temporary_sibling(out, "tmp")
-    try:
+
+    def write(tmp: Path) -> None:
         save_file(hub_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(generation_config(max_denoising_steps), indent=2))
         write_byte_tokenizer(tmp, SPECIALS, TEMPLATE, eos_token="<end_of_turn>", mask_token="<mask>")
-        publish_directory(tmp, out, "tiny")
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise OutputError(f"cannot write {out}: {e.strerror or e}; nothing was written") from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return write_directory(out, write, "tiny", force=force)

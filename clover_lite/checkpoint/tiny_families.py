@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from clover_lite.checkpoint.names import hub_layout
-from clover_lite.checkpoint.output import OutputError, check_output, publish_directory, temporary_sibling
+from clover_lite.checkpoint.output import write_directory
 from clover_lite.checkpoint.random_weights import init_random_
 from clover_lite.checkpoint.save import checkpoint_tensors
 from clover_lite.models.config import config_from_dict
@@ -146,19 +145,11 @@ def write_family_checkpoint(out: str | os.PathLike, kind: str, seed: int = 0, fo
     cfg_json = family_config(kind, **config_overrides)
     config = config_from_dict(cfg_json, source=f"tiny {kind}")
     model = init_random_(Denoiser(config).float(), seed)
-    out = Path(out)
-    check_output(out, force=force)
-    tmp = temporary_sibling(out, "tmp")
-    try:
+
+    def write(tmp: Path) -> None:
         tensors = dict(hub_layout(config, checkpoint_tensors(model, torch.float32)))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2))
         _tokenizer_files(kind)(tmp)
-        publish_directory(tmp, out, "tiny")
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise OutputError(f"cannot write {out}: {e.strerror or e}; nothing was written") from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return write_directory(out, write, "tiny", force=force)
