@@ -412,10 +412,45 @@ def test_load_and_clover_run_serve_diffusion_gemma_and_other_commands_refuse_it(
     assert r.stdout == want + "\n"
     r = CliRunner().invoke(cli, ["run", str(out), "hello", "--threshold", "0.5"])
     assert r.exit_code == 2 and "--threshold does not apply to DiffusionGemma" in r.output
-    for args in (["chat", str(out)], ["decide", str(out), "-c", "x", "-q", "a=b,c"]):
+    for args in (["serve", str(out)], ["decide", str(out), "-c", "x", "-q", "a=b,c"]):
         r = CliRunner().invoke(cli, args, input="hi\n")
         assert r.exit_code == 1 and "DiffusionGemma checkpoint" in r.output and "clover run" in r.output, r.output
     r = CliRunner().invoke(cli, ["info", str(out)])
     assert r.exit_code != 0 and "DiffusionGemma checkpoint" in r.output
     with pytest.raises(CloverError, match="context does not apply"):
         clover_lite.load(out, device="cpu", context=64)
+
+
+def test_chat_turns_reuse_the_prefix_and_equal_fresh_generations(tmp_path):
+    """`clover chat` on DiffusionGemma (the session and loop it runs, on a plain view): each turn's reply equals
+    a fresh engine's `generate` on the whole conversation with the same seed, though the chat's engine keeps
+    its prefix cache from turn to turn; /set changes the sampler's settings and refuses bad ones."""
+    import io
+
+    import clover_lite
+    from clover_lite.cli.chat import PlainView
+    from clover_lite.cli.chat_canvas import CanvasChatLoop, CanvasChatSession
+
+    path = write_tiny_diffusion_gemma(tmp_path / "dg", seed=int(torch.randint(0, 1000, ())))
+    engine = clover_lite.load(path, device="cpu")
+    seed = int(torch.randint(0, 10_000, ()))
+    session = CanvasChatSession(engine, seed=seed, max_new_tokens=16)
+    lines = iter(["hello there", "/set steps 5", "/set t_min 2", "and again?"])
+
+    def read(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    out, err = io.StringIO(), io.StringIO()
+    assert CanvasChatLoop(session, read, PlainView(out, err)).run() == 0
+    assert "max_denoising_steps = 5" in out.getvalue() and "t_min" in err.getvalue()
+    replies = [m["content"] for m in session.messages if m["role"] == "assistant"]
+    assert len(replies) == 2
+    for turn, settings in ((1, {}), (2, {"max_denoising_steps": 5})):
+        conversation = session.messages[: 2 * turn - 1]
+        fresh = clover_lite.load(path, device="cpu")
+        want = fresh.generate(conversation, seed=seed, max_new_tokens=16, **settings).text
+        assert replies[turn - 1] == want, turn
+

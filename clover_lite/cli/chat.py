@@ -22,15 +22,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TextIO
 
-import click
-
-from clover_lite.cli.common import (
-    decoding_options,
-    fail,
-    load_options,
-    load_with_progress,
-    model_argument,
-)
 from clover_lite.cli.terminal import for_stream, terminal_safe
 from clover_lite.errors import CloverError, GenerationError
 from clover_lite.runtime.generation import DoneEvent, GenerationConfig, StepEvent
@@ -114,7 +105,7 @@ class ChatSession:
 
     def __init__(self, engine, config: GenerationConfig | None = None, system: str | None = None):
         self.engine = engine
-        self.config = engine.resolve_config(config)
+        self.config = self.initial_config(config)
         self.system = system
         self.messages: list[dict] = []
         self.last: ReplyStats | None = None
@@ -127,6 +118,9 @@ class ChatSession:
         if tok is None:
             raise CloverError(f"{engine.path}: the model has no tokenizer files; chat needs text in and out")
         self.templated = tok.has_chat_template
+
+    def initial_config(self, config: GenerationConfig | None):
+        return self.engine.resolve_config(config)
 
     # ---- prompts ---------------------------------------------------------------------------------
     def conversation(self, user_text: str | None = None) -> list[dict]:
@@ -534,6 +528,21 @@ class ChatLoop:
             if self.leaving:  # Ctrl-D during the reply
                 return 0
 
+    def drive(self, events: Iterator, handle: Callable[[object], bool]) -> None:
+        """Advance a reply's `events`, each passed to `handle` (True once the result has arrived). Ctrl-C stops it
+        after the step under way (twice: at once), and so does Ctrl-D, which then leaves the chat."""
+        with InterruptGuard() as guard, EofWatch(self.watch_fd) as eof:
+            try:
+                for event in events:
+                    if not handle(event) and (guard.requested or eof.seen):
+                        break
+            except KeyboardInterrupt:
+                pass
+            finally:
+                events.close()
+        self.typed_ahead += eof.typed_ahead
+        self.leaving = eof.seen
+
     def tail(self, event: StepEvent, prompt_len: int) -> list[TailItem]:
         """The current block from its first masked position on: placeholders and out-of-order commits."""
         first = max(prompt_len - event.block_start, 0)
@@ -554,28 +563,22 @@ class ChatLoop:
         result = None
         t0 = time.perf_counter()
         self.view.reply_start()
+
+        def handle(event) -> bool:
+            nonlocal forwards, committed, contiguous, result
+            if isinstance(event, StepEvent):
+                forwards += 1
+                committed += len(event.committed)
+                done = event.block.index(None) if None in event.block else len(event.block)
+                contiguous = max(event.block_start + done - len(ids), 0)
+                streamer.feed(event.text)
+                self.view.reply_update(streamer.printed, self.tail(event, len(ids)))
+            elif isinstance(event, DoneEvent):
+                result = event.generation
+            return result is not None
+
         try:
-            with InterruptGuard() as guard, EofWatch(self.watch_fd) as eof:
-                events: Iterator = session.engine.stream(ids, cfg)
-                try:
-                    for event in events:
-                        if isinstance(event, StepEvent):
-                            forwards += 1
-                            committed += len(event.committed)
-                            done = event.block.index(None) if None in event.block else len(event.block)
-                            contiguous = max(event.block_start + done - len(ids), 0)
-                            streamer.feed(event.text)
-                            self.view.reply_update(streamer.printed, self.tail(event, len(ids)))
-                        elif isinstance(event, DoneEvent):
-                            result = event.generation
-                        if (guard.requested or eof.seen) and result is None:
-                            break
-                except KeyboardInterrupt:
-                    pass
-                finally:
-                    events.close()
-            self.typed_ahead += eof.typed_ahead
-            self.leaving = eof.seen
+            self.drive(session.engine.stream(ids, cfg), handle)
         except BaseException:
             self.view.reply_end(streamer.printed, None)
             raise
@@ -647,42 +650,4 @@ def banner(engine) -> str:
             f"{engine.device} {dtype} \u00b7 /help for commands, Ctrl-D to leave")
 
 
-@click.command()
-@click.argument("model", required=False, type=click.Path())
-@click.option("--model", "-m", "model_path", type=click.Path(), default=None,
-              help="Model directory (or give it as MODEL; default: the bundled model).")
-@decoding_options
-@click.option("--system", default=None, help="System message.")
-@load_options
-@click.option("--plain", is_flag=True, help="Plain text even on a terminal (no colours, no block drawing).")
-def chat(model, model_path, system, device, dtype, context, plain, **decoding) -> None:
-    """Chat with the model in directory MODEL (or --model; default: the bundled model). The reply streams as
-    blocks are denoised; /help lists the commands.
-
-    On a terminal each block is drawn with a placeholder per masked position that fills in as the denoiser
-    commits tokens. With stdin or stdout not a terminal, messages are read line by line from stdin and
-    replies are written as plain text (statistics on stderr)."""
-    interactive = sys.stdin.isatty() and sys.stdout.isatty() and not plain
-    model_path = model_argument(model, model_path)
-    try:
-        engine = load_with_progress(model_path, device=device, dtype=dtype, context=context)
-        decoding["stop"] = tuple(decoding["stop"])
-        session = ChatSession(engine, GenerationConfig(**decoding), system)
-    except CloverError as e:
-        fail(e)
-    if interactive:
-        from rich.console import Console
-
-        view = TerminalView(Console(highlight=False))
-        read = _readline_input()
-    else:
-        view = PlainView(sys.stdout, sys.stderr, prompts=sys.stdin.isatty())
-        read = _plain_input(sys.stderr if sys.stdin.isatty() else None)
-    view.banner(banner(engine))
-    code = ChatLoop(session, read, view, watch_fd=sys.stdin.fileno() if interactive else None).run()
-    if interactive:
-        view.console.print()
-    sys.exit(code)
-
-
-__all__ = ["ChatSession", "ChatLoop", "PlainView", "TerminalView", "ReplyStats", "CommandResult", "chat", "HELP"]
+__all__ = ["ChatSession", "ChatLoop", "PlainView", "TerminalView", "ReplyStats", "CommandResult", "HELP"]

@@ -100,3 +100,19 @@ def model_argument(positional: str | None, option: str | None) -> str | None:
     if positional and option:
         raise click.UsageError(f"the model is given twice ('{positional}' and --model '{option}'): give it once")
     return positional or option
+
+
+def diffusion_gemma_options(decoding: dict) -> dict:
+    """Of `run`/`chat`'s decoding options, those that apply to DiffusionGemma (-n when given, --seed); one
+    given on the command line that does not apply is a usage error naming it."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    given = {k for k in decoding if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+    wrong = sorted(given - {"max_new_tokens", "seed"})
+    if wrong:
+        raise click.UsageError(f"--{wrong[0].replace('_', '-')} does not apply to DiffusionGemma (it denoises whole "
+                               "canvases with its own sampler); of the decoding options -n and --seed apply")
+    return {"seed": decoding.get("seed"),
+            "max_new_tokens": decoding["max_new_tokens"] if "max_new_tokens" in given else None}
+

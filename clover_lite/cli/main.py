@@ -23,7 +23,7 @@ from clover_lite.runtime.text_stream import TextStreamer
 # Commands defined in other modules, imported when used (`clover --help` imports them all). Lazy, so that
 # `clover run` does not pay for importing the chat UI, the benchmark or the quantizer.
 LAZY_COMMANDS = {
-    "chat": (".chat", "chat"),
+    "chat": (".chat_command", "chat"),
     "bench": (".bench", "bench"),
     "quantize": (".quantize", "quantize"),
     "eval": (".quantize", "eval_cmd"),
@@ -133,16 +133,11 @@ def run(words, model_path, raw, system, device, dtype, context, stats, **decodin
 def run_diffusion_gemma(engine, prompt: str, raw: bool, system: str | None, stats: bool, decoding: dict) -> None:
     """`clover run` on a DiffusionGemma checkpoint: each canvas printed as it is finished. Of the decoding
     options only -n and --seed apply; another one given on the command line is an error naming it."""
-    from click.core import ParameterSource
-
+    from clover_lite.cli.common import diffusion_gemma_options
     from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaReply, TextEvent
 
-    ctx = click.get_current_context()
-    given = sorted(k for k in decoding if k not in ("max_new_tokens", "seed")
-                   and ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE)
-    if given:
-        raise click.UsageError(f"--{given[0].replace('_', '-')} does not apply to DiffusionGemma (it denoises whole "
-                               "canvases with its own sampler); of the decoding options -n and --seed apply")
+    opts = diffusion_gemma_options(decoding)
+    settings = {"max_new_tokens": opts["max_new_tokens"]} if opts["max_new_tokens"] is not None else {}
     tok = engine.tokenizer
     if not raw and tok is not None and tok.has_chat_template:
         request = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -150,7 +145,7 @@ def run_diffusion_gemma(engine, prompt: str, raw: bool, system: str | None, stat
         request = prompt
     shown, reply, t0 = "", None, time.perf_counter()
     try:
-        for event in engine.stream(request, raw=raw, seed=decoding["seed"], max_new_tokens=decoding["max_new_tokens"]):
+        for event in engine.stream(request, raw=raw, seed=opts["seed"], **settings):
             if isinstance(event, TextEvent) and event.committed.startswith(shown) and len(event.committed) > len(shown):
                 click.echo(for_stream(event.committed[len(shown):], sys.stdout), nl=False)
                 shown = event.committed

@@ -56,6 +56,11 @@ class DiffusionGemmaEngine:
         self.session = Session()  # one conversation's prefix cache, reused while prompts extend it
 
     @property
+    def context_limit(self) -> int:
+        """The most positions (conversation and reply) the model takes."""
+        return self.model.config.max_position_embeddings
+
+    @property
     def load_report(self) -> DiffusionGemmaLoadReport:
         """What loading read and skipped (Engine's name for it: the CLI prints its notes)."""
         return self.report
