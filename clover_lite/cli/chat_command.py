@@ -18,6 +18,7 @@ from clover_lite.cli.chat import (
 from clover_lite.cli.chat_canvas import CanvasChatLoop, canvas_banner, canvas_session
 from clover_lite.cli.common import decoding_options, fail, load_options, load_with_progress, model_argument
 from clover_lite.errors import CloverError
+from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaEngine
 from clover_lite.runtime.generation import GenerationConfig
 
 
@@ -40,8 +41,7 @@ def chat(model, model_path, system, device, dtype, context, plain, **decoding) -
     model_path = model_argument(model, model_path)
     try:
         engine = load_with_progress(model_path, diffusion_gemma=True, device=device, dtype=dtype, context=context)
-        canvas = not hasattr(engine, "resolve_config")  # DiffusionGemma: canvases, its own settings
-        if canvas:
+        if isinstance(engine, DiffusionGemmaEngine):  # canvases, and the sampler's own settings
             session, loop_class, title = canvas_session(engine, decoding, system), CanvasChatLoop, canvas_banner
         else:
             decoding["stop"] = tuple(decoding["stop"])

@@ -95,16 +95,12 @@ def run(words, model_path, raw, system, device, dtype, context, stats, **decodin
         prompt = sys.stdin.read()
     try:
         engine = load_with_progress(model_path, diffusion_gemma=True, device=device, dtype=dtype, context=context)
-        if not isinstance(engine, Engine):  # DiffusionGemma: its own loop and settings
-            return run_diffusion_gemma(engine, prompt, raw, system, stats, decoding)
         use_chat = not raw and engine.tokenizer is not None and engine.tokenizer.has_chat_template
-        if use_chat:
-            messages = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": prompt}
-            ]
-            request = messages
-        else:
-            request = prompt
+        request = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ] if use_chat else prompt
+        if not isinstance(engine, Engine):  # DiffusionGemma: its own loop and settings
+            return run_diffusion_gemma(engine, request, not use_chat, stats, decoding)
         decoding["stop"] = tuple(decoding["stop"])
         ids = engine.encode_prompt(request, raw=not use_chat)
         decoding["max_new_tokens"] = fit_reply(len(ids), decoding["max_new_tokens"], engine.context_limit)
@@ -130,7 +126,7 @@ def run(words, model_path, raw, system, device, dtype, context, stats, **decodin
         )
 
 
-def run_diffusion_gemma(engine, prompt: str, raw: bool, system: str | None, stats: bool, decoding: dict) -> None:
+def run_diffusion_gemma(engine, request, raw: bool, stats: bool, decoding: dict) -> None:
     """`clover run` on a DiffusionGemma checkpoint: each canvas printed as it is finished. Of the decoding
     options only -n and --seed apply; another one given on the command line is an error naming it."""
     from clover_lite.cli.common import diffusion_gemma_options
@@ -138,21 +134,16 @@ def run_diffusion_gemma(engine, prompt: str, raw: bool, system: str | None, stat
 
     opts = diffusion_gemma_options(decoding)
     settings = {"max_new_tokens": opts["max_new_tokens"]} if opts["max_new_tokens"] is not None else {}
-    tok = engine.tokenizer
-    if not raw and tok is not None and tok.has_chat_template:
-        request = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    else:
-        request = prompt
-    shown, reply, t0 = "", None, time.perf_counter()
+    streamer, reply, t0 = TextStreamer(), None, time.perf_counter()
     try:
         for event in engine.stream(request, raw=raw, seed=opts["seed"], **settings):
-            if isinstance(event, TextEvent) and event.committed.startswith(shown) and len(event.committed) > len(shown):
-                click.echo(for_stream(event.committed[len(shown):], sys.stdout), nl=False)
-                shown = event.committed
+            if isinstance(event, TextEvent):
+                chunk = streamer.feed(event.committed)
+                if chunk:
+                    click.echo(for_stream(chunk, sys.stdout), nl=False)
             elif isinstance(event, DiffusionGemmaReply):
                 reply = event
-                rest = reply.text[len(shown):] if reply.text.startswith(shown) else "\n" + reply.text
-                click.echo(for_stream(rest, sys.stdout))
+                click.echo(for_stream(streamer.finish(reply.text), sys.stdout))
     except CloverError as e:
         fail(e)
     if stats and reply is not None:

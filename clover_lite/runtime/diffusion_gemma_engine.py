@@ -29,6 +29,7 @@ from clover_lite.runtime.diffusion_gemma_loop import (
     settings_from_generation_config,
     stream,
 )
+from clover_lite.runtime.prompt import prompt_ids
 from clover_lite.tokenizer.tokenizer import Tokenizer
 
 
@@ -79,16 +80,7 @@ class DiffusionGemmaEngine:
     def encode_prompt(self, prompt: str | Sequence[int] | Sequence[dict[str, Any]], raw: bool = False) -> list[int]:
         """Token ids of a prompt: text (a user turn through the chat template unless `raw` or there is none),
         chat messages, or token ids."""
-        if isinstance(prompt, str) or (prompt and all(isinstance(m, dict) for m in prompt)):
-            if self.tokenizer is None:
-                raise GenerationError(f"{self.path}: the model has no tokenizer files; pass token ids instead of text")
-            if isinstance(prompt, str) and (raw or not self.tokenizer.has_chat_template):
-                return self.tokenizer.encode(prompt)
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return [int(t) for t in prompt]
-        raise GenerationError("prompt must be a string, a list of token ids, or a list of chat message dicts")
+        return prompt_ids(prompt, self.tokenizer, self.model.config.vocab_size, raw=raw, path=self.path)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer else ""

@@ -20,6 +20,7 @@ from clover_lite.runtime.device import on_device, resolve_device, resolve_dtype
 from clover_lite.runtime.exclusive import OneAtATime
 from clover_lite.runtime.generation import CachedRunner, DoneEvent, Event, Generation, GenerationConfig, denoise
 from clover_lite.runtime.graph import MAX_STATIC_CONTEXT, StaticStep, use_static_step
+from clover_lite.runtime.prompt import Prompt, prompt_ids
 from clover_lite.runtime.template import Canvas, SlotSpec, build_canvas, filled_text
 from clover_lite.tokenizer.incremental import IncrementalDecoder
 from clover_lite.tokenizer.tokenizer import Tokenizer
@@ -27,7 +28,6 @@ from clover_lite.tokenizer.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaEngine
 
-Prompt = str | Sequence[int] | Sequence[dict]
 
 BUNDLED_MODEL = Path(__file__).parents[1] / "data" / "clover-tiny"
 
@@ -143,20 +143,8 @@ class Engine:
         """Token ids for a prompt: a string (a user message through the chat template when the model has
         one; with `raw`, or without a template, encoded as is), a list of token ids, or chat messages (list
         of {"role", "content"} dicts, rendered with the model's chat template)."""
-        if isinstance(prompt, str):
-            if raw or not self._tokenizer_or_error().has_chat_template:
-                return self._tokenizer_or_error().encode(prompt)
-            prompt = [{"role": "user", "content": prompt}]
-        items = list(prompt)
-        if items and all(isinstance(m, dict) for m in items):
-            text = self._tokenizer_or_error().apply_chat_template(items, add_generation_prompt=add_generation_prompt)
-            return self._tokenizer_or_error().encode(text)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-            bad = [t for t in items if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise GenerationError(f"token id {bad[0]} is outside the vocabulary (size {self.config.vocab_size})")
-            return [int(t) for t in items]
-        raise GenerationError("prompt must be a string, a list of token ids, or a list of chat message dicts")
+        return prompt_ids(prompt, self.tokenizer, self.config.vocab_size, raw=raw,
+                          add_generation_prompt=add_generation_prompt, path=self.path)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer else ""

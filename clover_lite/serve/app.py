@@ -253,7 +253,7 @@ class Server:
         log.info("decide 200 questions=%d forwards=%d queue=%.2fs total=%.2fs", len(pairs), d.forwards,
                  job.queue_seconds, time.monotonic() - t0)
         return JSONResponse({
-            "id": f"decide-{new_id('decide')[5:]}", "object": "clover.decision", "model": self.settings.model_id,
+            "id": new_id("decide"), "object": "clover.decision", "model": self.settings.model_id,
             "answers": d.answers, "probabilities": d.probabilities, "order": d.order, "mode": d.mode,
             "forwards": d.forwards, "commit_forwards": d.commit_forwards, "seconds": round(d.seconds, 4),
             "queue_seconds": round(job.queue_seconds, 4),

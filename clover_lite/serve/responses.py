@@ -12,8 +12,11 @@ from clover_lite.runtime.generation import Generation
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
+ID_PREFIX = {"chat": "chatcmpl", "completion": "cmpl", "decide": "decide"}
+
+
 def new_id(kind: str) -> str:
-    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    return f"{ID_PREFIX[kind]}-{uuid.uuid4().hex[:24]}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
