@@ -10,8 +10,10 @@ comes from chaining the rules. Three ways to answer:
 
 - joint: `Engine.decide(context, questions)`, all answers in the same denoising forwards;
 - sequential: `Engine.decide(..., mode="sequential")`, one answer after another;
-- free: one `generate` per question with the task's own prompt ("... question: is X P?"), its final
-  yes/no parsed (`tasks.is_correct`): what the model was trained to answer.
+- one reply: one `generate` for the whole set with the `interlocked` task's prompt ("... questions: is X P?
+  is Y Q? is Z R?"), a worked chain per question, one per line, each line's final yes/no parsed;
+- free: one `generate` per question with the `rules` task's own prompt ("... question: is X P?"), its final
+  yes/no parsed (`tasks.is_correct`).
 
 Reported per way: the all-correct rate (every question of a set right), per-question accuracy, denoising
 forwards per set and wall time per set; a table on stdout, JSON and, with matplotlib, a PNG beside it.
@@ -28,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "out" / "decide.json"
+WAYS = ("joint", "sequential", "one reply", "free")
 
 
 def interlocked_sets(n: int, seed: int = 0) -> list[dict]:
@@ -60,15 +63,21 @@ def holds(atom: str, facts: list[str], premise: dict[str, str]) -> bool:
 
 
 def run(engine, sets: list[dict]) -> dict[str, dict]:
-    from clover_lite.training.tasks import Example, is_correct
+    from clover_lite.training.tasks import Example, final_answers, interlocked_prompt, is_correct
 
     results = {}
     engine.decide(sets[0]["context"], sets[0]["questions"])  # warm-up: first calls pay one-time costs
-    for way in ("joint", "sequential", "free"):
+    for way in WAYS:
         right = all_right = forwards = 0
         t0 = time.perf_counter()
         for s in sets:
-            if way == "free":
+            if way == "one reply":
+                atoms = [name.removeprefix("is ").replace(" ", " is ", 1) for name, _ in s["questions"]]
+                g = engine.generate(interlocked_prompt(s["context"], atoms), max_new_tokens=128)
+                said = final_answers(g.text)
+                answers = [said[k] if k < len(said) and len(said) == len(atoms) else "wrong" for k in range(len(atoms))]
+                fw = g.stats.forwards
+            elif way == "free":
                 answers, fw = [], 0
                 for (name, _), truth in zip(s["questions"], s["truth"], strict=True):
                     prompt = f"{s['context']} question: {name}?"
@@ -104,7 +113,7 @@ def plot(results: dict[str, dict], out: Path) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed: no PNG (the JSON and the table have the numbers)"
+        return "no PNG: matplotlib is not installed (pip install -e '.[plot]'); the JSON and the table have it all"
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for way, r in results.items():
         ax.scatter(r["forwards_per_set"], 100 * r["all_correct"], label=way)

@@ -209,7 +209,8 @@ def sweep_moe(m, device, dtype, reps, deadline, smoke, arch, mma: bool = False) 
     def moe(w, ids):
         return fused_moe(x, w, ids, gate, up, down, gemv_max_rows=1 << 30, validate=False)
 
-    ref = moe(*routings[0]).float()  # the table's entry (gpu_check checks it against the dequantized experts)
+    # the table's entry (tests/test_kernels_int4_shapes.py checks it against the dequantized experts)
+    ref = moe(*routings[0]).float()
 
     def run(cfg):
         configs.MOE_GEMV_TABLE[key] = cfg

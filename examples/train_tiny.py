@@ -34,25 +34,37 @@ task (the content lookup alone) weighted in, and rules rose to 76% within 620 st
 Phases 8-9: rules sat at the no-rule shortcut (73%) because the premise copied after " if" came from a rule
 picked nearly at random; the training-only `cite` drill (several premise copies per instance) taught that
 copy. Phase 8 is the drill almost alone, stopped at the step-440 checkpoint of its 700-step schedule (rules
-copied right, but "is given" answers had weakened); phase 9 brings rules back to the front. prior.json
-describes phases 1-8 for the card:
+copied right, but "is given" answers had weakened); phase 9 brings rules back to the front. Its card took
+phases 1-8 from prior.json as it was at commit cdbd3de (`git show cdbd3de:examples/clover_tiny_prior.json`):
 
     python examples/train_tiny.py prepare --workdir runs/ft8 --tokenizer-from /tmp/clover-tiny-6218
     python examples/train_tiny.py train --workdir runs/ft8 --init-from /tmp/clover-tiny-6218 --seed 12 \
         --steps 700 --stop-at 440 --lr 0.002 --warmup 30 --threads 1 --task-weights rules=1,cite=10
     python examples/train_tiny.py export --workdir runs/ft8 --out /tmp/clover-tiny-6658
     python examples/train_tiny.py prepare --workdir runs/ft9 --tokenizer-from /tmp/clover-tiny-6658
-    cp examples/clover_tiny_prior.json runs/ft9/prior.json
+    git show cdbd3de:examples/clover_tiny_prior.json > runs/ft9/prior.json
     python examples/train_tiny.py train --workdir runs/ft9 --init-from /tmp/clover-tiny-6658 --seed 13 \
         --steps 600 --lr 0.0015 --warmup 20 --threads 1 --task-weights rules=5,cite=3,recall=2
 
+Phase 10 adds `interlocked` (several questions over one rule set, a worked line each, in one reply) at a lower
+learning rate so the older tasks hold; prior.json describes phases 1-9 for the card:
+
+    python examples/train_tiny.py export --workdir runs/ft9 --out /tmp/clover-tiny-7258
+    python examples/train_tiny.py prepare --workdir runs/ft10 --tokenizer-from /tmp/clover-tiny-7258
+    cp examples/clover_tiny_prior.json runs/ft10/prior.json
+    python examples/train_tiny.py train --workdir runs/ft10 --init-from /tmp/clover-tiny-7258 --seed 41 \
+        --steps 300 --lr 0.001 --warmup 20 --threads 1 \
+        --task-weights rules=2,interlocked=4,sort=1,add=2,reverse=1,cite=1,recall=1
+
 Evaluation, card and export:
 
-    python examples/train_tiny.py export --workdir runs/ft9 --out /tmp/clover-tiny
+    python examples/train_tiny.py export --workdir runs/ft10 --out /tmp/clover-tiny
     python benchmarks/quality.py --models /tmp/clover-tiny --quant rtn gptq nf4 --out /tmp/quality.json
-    python examples/train_tiny.py card --workdir runs/ft9 --model /tmp/clover-tiny --quality /tmp/quality.json \
+    python examples/train_tiny.py card --workdir runs/ft10 --model /tmp/clover-tiny --quality /tmp/quality.json \
         --out /tmp/CARD.md
-    python examples/train_tiny.py export --workdir runs/ft9 --out clover_lite/data/clover-tiny --card /tmp/CARD.md
+    python examples/train_tiny.py export --workdir runs/ft10 --out /tmp/clover-tiny-card --card /tmp/CARD.md
+    cp /tmp/clover-tiny-card/{README.md,config.json,model.safetensors,tokenizer.json,tokenizer_config.json} \
+        clover_lite/data/clover-tiny/    # export writes only to its own outputs (checkpoint/output.py)
 
 Those are the bundled model's commands. Everything is deterministic in --seed (bitwise with the same thread
 count); `train` picks up from WORKDIR/state.pt when it exists, so phase 2 continues phase 1's weights and
@@ -162,10 +174,10 @@ def run_train(args) -> None:
 
 
 def _weights(spec: str | None) -> dict[str, int] | None:
-    """'rules=4,add=2' -> {'sort': 1, 'add': 2, 'reverse': 1, 'rules': 4} (unnamed tasks weigh 1)."""
+    """'rules=4,add=2' -> {'sort': 1, 'add': 2, 'reverse': 1, 'rules': 4} (unnamed base tasks weigh 1, others 0)."""
     if not spec:
         return None
-    weights = dict.fromkeys(tasks.TASKS, 1)
+    weights = dict.fromkeys(tasks.BASE_TASKS, 1)
     for item in spec.split(","):
         name, _, w = item.partition("=")
         weights[name.strip()] = int(w)
@@ -313,7 +325,10 @@ def _quant_table(results: list[tuple[str, dict]]) -> str:
 
 
 def _miss(f: dict | None) -> str:
-    return "none" if f is None else f"{f['prompt']} -> {f['got']} (expected {f['answer']})"
+    if f is None:
+        return "none"
+    one_line = {k: f[k].replace("\n", "\\n") for k in ("prompt", "got", "answer")}  # inline code: no line breaks
+    return f"{one_line['prompt']} -> {one_line['got']} (expected {one_line['answer']})"
 
 
 def _examples(model_dir: Path) -> str:
@@ -323,17 +338,19 @@ def _examples(model_dir: Path) -> str:
     engine = clover_lite.load(model_dir, device="cpu")
     lines = ["```"]
     for prompt in CARD_PROMPTS:
-        out = engine.generate([{"role": "user", "content": prompt}], max_new_tokens=32)
+        out = engine.generate([{"role": "user", "content": prompt}], max_new_tokens=64)
         lines += [f'$ clover run "{prompt}"', out.text]
     # Plain text continuation (no chat template): what the Python source half of the training looks like.
-    out = engine.generate(RAW_PROMPT, max_new_tokens=48)
+    out = engine.generate(RAW_PROMPT, max_new_tokens=48, raw=True)  # as `clover run --raw`: no chat template
     escaped = RAW_PROMPT.encode("unicode_escape").decode()
     lines += [f"$ clover run --raw -n 48 $'{escaped}'", RAW_PROMPT + out.text]
     return "\n".join(lines + ["```"])
 
 
 CARD_PROMPTS = ("sort: 5 3 9 1", "sort: 12 7 45 3 88", "add: 23 + 58", "add: 4 + 5", "reverse: c a b l e",
-                "facts: Ann is red. rules: Bob is big if Ann is red. question: is Bob big?")
+                "facts: Ann is red. rules: Bob is big if Ann is red. question: is Bob big?",
+                "facts: Ann is red. rules: Bob is big if Ann is red. Cal is old if Dan is shy. questions: is Bob big? "
+                "is Cal old?")
 RAW_PROMPT = "import os\n\n\ndef read_config(path):\n"
 
 

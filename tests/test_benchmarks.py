@@ -67,9 +67,9 @@ def test_kernel_goals_judged_on_the_runtime_path():
     assert goals(rows[3:])["vs_nf4_every_m"]["met"] is None
 
 
-def test_kernel_benchmark_and_gpu_check_smoke(tmp_path, monkeypatch):
-    """The GPU scripts run end to end on the CPU (Triton interpreter, tiny shapes), so a GPU session finds
-    them working; on the CPU they report timings of the interpreter, which mean nothing. What the GPU run
+def test_kernel_benchmark_smoke(tmp_path, monkeypatch):
+    """The kernel benchmark runs end to end on the CPU (Triton interpreter, tiny shapes), so a GPU session finds
+    it working; on the CPU it reports timings of the interpreter, which mean nothing. What the GPU run
     captures in a CUDA graph must never wait for the device: checked here on the calls themselves."""
     monkeypatch.setattr(sys, "argv", ["kernels.py", "--smoke", "--out", str(tmp_path)])
     main = runpy.run_path(str(BENCH / "kernels.py"), run_name="bench")["main"]
@@ -99,16 +99,12 @@ def test_kernel_benchmark_and_gpu_check_smoke(tmp_path, monkeypatch):
     # The tiny shape is in the MMA order, as the modules would hold it; it is too small for the goals.
     assert all(r["runtime_path"] == "mma" and r["runtime_s"] == r["mma_s"] for r in data["dense"])
     assert {g["met"] for g in data["goals"].values()} == {None}
-    check = runpy.run_path(str(BENCH / "gpu_check.py"), run_name="bench")
-    # The whole-model check is covered by tests/test_kernels_model.py; here the per-kernel checks.
-    checks = ["matmul", "split", "MoE", "attention", "GDN", "sampling", "RMSNorm"]
-    assert check["main"](["--smoke", "--no-bench", "--checks", *checks]) == 0
 
 
 @pytest.mark.unpoisoned
-def test_gpu_check_runs_its_checks_on_poisoned_memory(capsys):
-    """On the GPU (where no conftest poisons torch.empty) gpu_check poisons uninitialized memory itself for
-    its checks, so a kernel reading an element nobody wrote fails there with NaN; --no-poison opts out."""
+def test_gpu_check_runs_its_report_on_poisoned_memory(capsys):
+    """gpu_check runs its divergence report outside pytest, so it poisons uninitialized memory itself, as the
+    tests' conftest does: a kernel reading an element nobody wrote shows NaN there too; --no-poison opts out."""
     main = runpy.run_path(str(BENCH / "gpu_check.py"), run_name="bench")["main"]
     seen = []
 
@@ -116,7 +112,7 @@ def test_gpu_check_runs_its_checks_on_poisoned_memory(capsys):
         seen.append(bool(torch.empty(64).isnan().all()))
         return "read"
 
-    main.__globals__["CHECKS"] = [("fresh memory", reads_fresh_memory)]
+    main.__globals__["REPORTS"] = [("fresh memory", reads_fresh_memory)]
     empty = torch.empty
     assert main(["--smoke", "--no-bench"]) == 0 and seen == [True]
     assert "uninitialized memory poisoned" in capsys.readouterr().out
@@ -142,61 +138,32 @@ def test_gpu_check_names_the_first_module_that_diverges(tmp_path):
     assert report.startswith("first module over 1e-03: layers.1.linear_attn.out_proj ("), report
 
 
-def test_gpu_check_compares_the_static_steps_replays_with_the_eager_step():
-    """gpu_check's model check measures the captured step against Denoiser.step at three cache lengths (on a
-    GPU the graph captured at an empty cache replays at each; tests/test_kernels_model.py checks the static
-    step itself). Here on stand-ins whose logits depend on the ids and the committed length: equal steps
-    agree, and a static step that is off at one length only is reported."""
-    step_error = runpy.run_path(str(BENCH / "gpu_check.py"), run_name="bench")["_static_step_error"]
-
-    class Cache:
-        def __init__(self, capacity):
-            self.capacity, self.length = capacity, 0
-
-        def reset(self):
-            self.length = 0
-
-    def logits(block_ids, length):
-        return torch.sin(block_ids.float()[..., None] * (length + 1) + torch.arange(5))
-
-    class Model:
-        def new_cache(self, capacity):
-            return Cache(capacity)
-
-        def prefill(self, ids, cache, block):
-            cache.length = ids.shape[1]
-
-        def step(self, block_ids, cache):
-            return logits(block_ids, cache.length), None
-
-    class Static:
-        block_size, cache, wrong_at = 4, Cache(32), None
-
-        def __call__(self, block_ids):
-            out = logits(torch.tensor(block_ids)[None], self.cache.length)
-            return out + 0.1 if self.cache.length == self.wrong_at else out
-
-    engine = type("Engine", (), {"model": Model(), "_static": Static()})()
-    ids = torch.randint(0, 256, (1, 20))
-    assert step_error(engine, ids) == 0.0 and engine._static.cache.length == 0
-    for n in (0, 8, 16):  # every length it covers: none, two blocks, all but the last block
-        engine._static.wrong_at = n
-        assert step_error(engine, ids) > 0.09, n
-
-
-def test_gpu_session_script_runs_its_check(tmp_path):
-    """The one command a GPU session runs (benchmarks/gpu_session.sh), as the device runs it: its arguments
-    reach gpu_check.py intact (a session's device time is lost to a usage error) and the log lands in $OUT."""
-    env = {**os.environ, "OUT": str(tmp_path), "TRITON_INTERPRET": "1",
+def test_gpu_session_script_runs_the_kernel_tests_then_the_report(tmp_path):
+    """The one command a GPU session runs (benchmarks/gpu_session.sh), as the device runs it, here in the
+    interpreter (SESSION_DEVICE=interpret): the kernel tests through pytest (its arguments reach it intact: a
+    session's device time is lost to a usage error), their count checked, then gpu_check.py's report; the logs
+    land in $OUT/<mode>. Without a GPU, the default (--device cuda) stops at once with pytest's message."""
+    env = {**os.environ, "OUT": str(tmp_path), "WORKERS": "0",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    for mode, switch in (("verified", "0"), ("unverified", "1")):  # both kernel configurations, a folder each
-        r = subprocess.run(["bash", str(BENCH / "gpu_session.sh"), mode, "--smoke", "--no-bench", "--checks",
-                            "sampling"], env=env, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    env.pop("TRITON_INTERPRET", None)  # conftest sets it from --device
+    select = ["-k", "test_norm_at_the_models_widths"]
+    for mode, switch, report in (("verified", "0", []), ("unverified", "1", ["--no-report"])):  # a folder each
+        r = subprocess.run(["bash", str(BENCH / "gpu_session.sh"), mode, *select],
+                           env={**env, "SESSION_DEVICE": "interpret", "GPU_CHECK_ARGS": " ".join(
+                               ["--smoke", "--no-bench", *report])}, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+        tests = (tmp_path / mode / "pytest.log").read_text()
+        assert "1 kernel tests ran on interpret" in tests and "1 passed, " in tests, tests[-2000:]
         log = (tmp_path / mode / "gpu_check.log").read_text()
-        assert "ok  masked-position sampling" in log and "error" not in log.lower()
+        assert ("ok  tiny model, kernels vs torch" in log) == (not report) and "error" not in log.lower(), log
+        assert "modules compared" in log or report  # the divergence report
         machine = (tmp_path / mode / "machine.txt").read_text()
         assert "torch" in machine and f"kernels: {mode} (CLOVER_KERNELS_UNVERIFIED={switch})" in machine
+    if not torch.cuda.is_available():
+        r = subprocess.run(["bash", str(BENCH / "gpu_session.sh"), "verified", *select],
+                           env={**env, "OUT": str(tmp_path / "no-gpu")}, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 4 and "--device cuda: no CUDA device here" in r.stdout, r.stdout[-2000:]
+        assert not (tmp_path / "no-gpu" / "verified" / "gpu_check.log").exists()  # stopped before the report
 
 
 def test_sweep_scores_every_candidate_against_the_tables_entry(tmp_path):
@@ -473,7 +440,7 @@ def test_decide_benchmark_sets_and_table(tmp_path, capsys):
     out = tmp_path / "d.json"
     mod["main"](["--sets", "2", "--out", str(out)])
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"joint", "sequential", "free"}
+    assert set(results) == {"joint", "sequential", "one reply", "free"}
     for r in results.values():
         assert 0 <= r["all_correct"] <= r["accuracy"] <= 1 and r["forwards_per_set"] >= 1
     assert "| joint |" in capsys.readouterr().out

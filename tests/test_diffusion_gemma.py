@@ -391,8 +391,8 @@ def test_benchmark_runs_and_tokens_identical(tmp_path):
 # ---- through clover_lite.load and the command line ---------------------------------------------------------
 def test_load_and_clover_run_serve_diffusion_gemma_and_other_commands_refuse_it(tmp_path):
     """`clover tiny --family diffusion_gemma` writes one; clover_lite.load gives its engine; `clover run` prints
-    what that engine generates with the same seed; options that do not apply, and commands that do not run
-    it yet, each give one clear error."""
+    what that engine generates with the same seed; `clover info` plans it; options that do not apply, and
+    commands that do not run it yet, each give one clear error."""
     from click.testing import CliRunner
 
     import clover_lite
@@ -415,8 +415,8 @@ def test_load_and_clover_run_serve_diffusion_gemma_and_other_commands_refuse_it(
     for args in (["serve", str(out)], ["decide", str(out), "-c", "x", "-q", "a=b,c"]):
         r = CliRunner().invoke(cli, args, input="hi\n")
         assert r.exit_code == 1 and "DiffusionGemma checkpoint" in r.output and "clover run" in r.output, r.output
-    r = CliRunner().invoke(cli, ["info", str(out)])
-    assert r.exit_code != 0 and "DiffusionGemma checkpoint" in r.output
+    r = CliRunner().invoke(cli, ["info", str(out)])  # reads it now (tests/test_diffusion_gemma_int4.py)
+    assert r.exit_code == 0 and "diffusion_gemma" in r.output and "prefix cache" in r.output, r.output
     with pytest.raises(CloverError, match="context does not apply"):
         clover_lite.load(out, device="cpu", context=64)
 

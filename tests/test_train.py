@@ -319,6 +319,36 @@ def test_decide_drill_is_the_decide_format_with_chained_truths():
         assert decision_messages(context, questions)[0] == ex.prompt
 
 
+def test_interlocked_task_answers_each_question_with_its_worked_chain():
+    """`interlocked`: two or three distinct atoms of one rule set asked together, the reply a line per question
+    in the asked order, each line what `rules` answers for that question alone (worked out independently by
+    _rules_reply); never a held-out `rules` context; questions on the same chain occur; held out like every
+    evaluated task, and scored on every line's final yes/no."""
+    heldout = {ex.prompt.split(" question: ")[0] for ex in tasks.heldout("rules")}
+    held = {ex.prompt for ex in tasks.heldout("interlocked")}
+    rng = random.Random(4)
+    counts, shared = set(), 0
+    for _ in range(300):
+        ex = tasks.sample_train(rng, ("interlocked",))
+        assert ex.prompt not in held
+        context, asked = ex.prompt.split(" questions: ")
+        assert context not in heldout
+        questions = re.findall(r"is (\w+) (\w+)\?", asked)
+        assert len(set(questions)) == len(questions) and " ".join(f"is {n} {p}?" for n, p in questions) == asked
+        lines = ex.answer.split("\n")
+        assert lines == [_rules_reply(f"{context} question: is {n} {p}?") for n, p in questions]
+        assert tasks.interlocked_prompt(context, [f"{n} is {p}" for n, p in questions]) == ex.prompt
+        counts.add(len(questions))
+        named = [set(re.findall(r"\w+ is \w+", line)) for line in lines]  # the atoms each chain passes through
+        shared += any(a & b for i, a in enumerate(named) for b in named[i + 1:])
+        assert tasks.is_correct(ex, ex.answer) and tasks.final_answers(ex.answer) == [w.split()[-1] for w in lines]
+        last = lines[-1].rsplit(" ", 1)
+        flipped = lines[:-1] + [f"{last[0]} {'no' if last[1] == 'yes' else 'yes'}"]
+        assert not tasks.is_correct(ex, "\n".join(flipped)) and not tasks.is_correct(ex, "\n".join(lines[:-1]))
+    assert counts == {2, 3} and shared > 30
+    assert len(tasks.heldout("interlocked")) == tasks.HELDOUT_SIZE
+
+
 def test_cite_drill_answers_from_its_prompt():
     """The training-only premise-copy drill: each asked person's rule, in the asked order, read back from the
     prompt by a regex; chains (an atom concluded by one rule and the premise of another) always occur."""

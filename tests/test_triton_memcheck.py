@@ -11,6 +11,11 @@ tl = triton.language
 
 from .triton_memcheck import OutOfBounds, Race, memcheck  # noqa: E402
 
+# The memory check wraps Triton's interpreter; on a GPU that is compute-sanitizer's job. The poison of
+# uninitialized memory holds on every device: its test runs on the GPU too (--device cuda).
+pytestmark = pytest.mark.gpu
+INTERPRETER = "the memory check wraps Triton's interpreter (on a GPU: compute-sanitizer)"
+
 
 @triton.jit
 def _copy(x_ptr, y_ptr, n_load, n_store, BLOCK: tl.constexpr):
@@ -60,6 +65,7 @@ def _cause(e: pytest.ExceptionInfo):
     return e.value if isinstance(e.value, AssertionError) else e.value.__cause__
 
 
+@pytest.mark.interpret_only(INTERPRETER)
 @pytest.mark.parametrize("n", [1, 10, 37])
 def test_memcheck_passes_a_correct_kernel_and_catches_overruns(n):
     x = torch.randn(n)
@@ -73,6 +79,7 @@ def test_memcheck_passes_a_correct_kernel_and_catches_overruns(n):
             assert isinstance(_cause(e), OutOfBounds)
 
 
+@pytest.mark.interpret_only(INTERPRETER)
 def test_memcheck_holds_a_view_to_its_own_elements():
     """Past a view's last element but inside its storage: no crash on a GPU, still a wrong write."""
     x, y = torch.randn(9), torch.empty(12)[:9]
@@ -82,6 +89,7 @@ def test_memcheck_holds_a_view_to_its_own_elements():
             _copy[(1,)](x, y, 9, 10, BLOCK=16)
 
 
+@pytest.mark.interpret_only(INTERPRETER)
 def test_memcheck_catches_programs_that_race():
     x = torch.randn(40)
     with memcheck():
@@ -101,6 +109,7 @@ def test_memcheck_catches_programs_that_race():
         assert isinstance(_cause(e), Race)
 
 
+@pytest.mark.interpret_only(INTERPRETER)
 def test_memcheck_accepts_reads_an_atomic_orders_and_catches_the_rest():
     """A program may read what another stored when the writer released an atomic after its store that the
     reader acquired before its load (the split-K GEMM's last split): not with relaxed atomics, nor for a load
@@ -123,16 +132,18 @@ def test_memcheck_accepts_reads_an_atomic_orders_and_catches_the_rest():
         assert isinstance(_cause(e), Race)
 
 
-def test_uninitialized_memory_is_poison_in_every_test():
+def test_uninitialized_memory_is_poison_in_every_test(device):
     """conftest poisons torch.empty and its kin (tests/poison_empty.py): a kernel that leaves part of its
     output unwritten, or reads an element nobody wrote, gives NaN on the CPU as it gives garbage on a GPU,
-    where a fresh zero page would have hidden it. Meta tensors and `with torch.device` still work."""
+    where a fresh zero page would have hidden it (on a GPU: NaN, not the caching allocator's leftovers).
+    Meta tensors and `with torch.device` still work."""
     n = 37
-    x = torch.randn(n)
-    for y in (torch.empty(n), torch.empty_like(x), x.new_empty(n), torch.empty_strided((n,), (1,))):
+    x = torch.randn(n).to(device)
+    for y in (torch.empty(n, device=device), torch.empty_like(x), x.new_empty(n),
+              torch.empty_strided((n,), (1,), device=device)):
         _copy[(1,)](x, y, n, n - 5, BLOCK=64)  # the last 5 elements are never stored
         assert torch.equal(y[:n - 5], x[:n - 5]) and y[n - 5:].isnan().all()
     for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
-        assert (torch.empty(4, dtype=dtype) > 32).all()  # as an index: past the end of any small tensor
+        assert (torch.empty(4, dtype=dtype, device=device) > 32).all()  # as an index: past any small tensor's end
     with torch.device("meta"):
         assert torch.empty(1 << 40).device.type == "meta"  # no fill of a would-be 4 TB tensor

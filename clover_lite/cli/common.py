@@ -116,3 +116,35 @@ def diffusion_gemma_options(decoding: dict) -> dict:
     return {"seed": decoding.get("seed"),
             "max_new_tokens": decoding["max_new_tokens"] if "max_new_tokens" in given else None}
 
+
+
+def count_label(n: int) -> str:
+    """A parameter count for `clover info`: 7.60M, 35.12B."""
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+# Each layer type's letter and name in `clover info`'s layer pattern.
+LAYER_NAMES = {"full_attention": ("A", "attention"), "linear_attention": ("G", "GDN"),
+               "sliding_attention": ("S", "sliding")}
+
+
+def layer_pattern(layer_types: tuple[str, ...], names: dict[str, tuple[str, str]] | None = None) -> str:
+    """'(3 x GDN + 1 x attention) x 10  [GGGA...]': the layer order as its repeating unit; `names` maps a layer
+    type to its (letter, name), LAYER_NAMES by default."""
+    names = names or LAYER_NAMES
+    letters = "".join(names[t][0] for t in layer_types)
+    word = {letter: name for letter, name in names.values()}
+    period = next(p for p in range(1, len(letters) + 1)
+                  if len(letters) % p == 0 and letters[:p] * (len(letters) // p) == letters)
+    unit, runs, i = letters[:period], [], 0
+    while i < len(unit):
+        j = i
+        while j < len(unit) and unit[j] == unit[i]:
+            j += 1
+        runs.append(f"{j - i} x {word[unit[i]]}")
+        i = j
+    text, reps = " + ".join(runs), len(letters) // period
+    return f"({text}) x {reps}  [{letters}]" if reps > 1 else f"{text}  [{letters}]"

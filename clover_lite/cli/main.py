@@ -10,8 +10,10 @@ import click
 import torch
 
 from clover_lite.cli.common import (
+    count_label,
     decoding_options,
     fail,
+    layer_pattern,
     load_options,
     load_with_progress,
     model_argument,
@@ -166,32 +168,6 @@ def fit_reply(prompt_tokens: int, asked: int, context: int) -> int:
     return asked
 
 
-def _count(n: int) -> str:
-    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= div:
-            return f"{n / div:.2f}{unit}"
-    return str(n)
-
-
-def layer_pattern(layer_types: tuple[str, ...]) -> str:
-    """'3 x GDN + 1 x attention, repeated 10 times' style summary of the layer order."""
-    letters = "".join("A" if t == "full_attention" else "G" for t in layer_types)
-    for period in range(1, len(letters) + 1):
-        if len(letters) % period == 0 and letters[:period] * (len(letters) // period) == letters:
-            break
-    unit = letters[:period]
-    runs, i = [], 0
-    while i < len(unit):
-        j = i
-        while j < len(unit) and unit[j] == unit[i]:
-            j += 1
-        runs.append(f"{j - i} x {'attention' if unit[i] == 'A' else 'GDN'}")
-        i = j
-    text = " + ".join(runs)
-    reps = len(letters) // period
-    return f"({text}) x {reps}  [{letters}]" if reps > 1 else f"{text}  [{letters}]"
-
-
 @main.command()
 @click.argument("path", required=False)
 @click.option("--gpu", "gpus", multiple=True,
@@ -207,10 +183,11 @@ def layer_pattern(layer_types: tuple[str, ...]) -> str:
 def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> None:
     """A model's architecture, parameters and memory plan (nothing is loaded).
 
-    PATH is a model directory, a named config (tiny, clover-35b-a3b) or clover-tiny, the bundled model (the
-    default). The memory plan counts weights by
+    PATH is a model directory, a named config (tiny, clover-35b-a3b, diffusiongemma-26b-a4b, ...) or clover-tiny,
+    the bundled model (the default). The memory plan counts weights by
     format, the KV cache and GDN state at --context tokens, an activation-workspace estimate, the logits
-    buffer and the CUDA context, and says on which known cards the model fits."""
+    buffer and the CUDA context, and says on which known cards the model fits. For DiffusionGemma: the prefix
+    cache (sliding layers keep their window), the canvas's buffers, its own workspace estimate."""
     import json
 
     from rich.console import Console
@@ -218,19 +195,25 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
 
     from clover_lite.checkpoint.files import checkpoint_files, read_header
     from clover_lite.checkpoint.load import read_quant_config
+    from clover_lite.cli.info_diffusion_gemma import info_rows
     from clover_lite.models.config import load_config
     from clover_lite.models.denoiser import Denoiser
     from clover_lite.planning import devices, memory, named_configs, planner
+    from clover_lite.planning.diffusion_gemma import DG_WORKSPACE_FORMULA, diffusion_gemma_of
     from clover_lite.runtime.engine import BUNDLED_MODEL, default_model_path
 
     try:
         if path is None or (path == BUNDLED_MODEL.name and not Path(path).exists()):
             path = str(default_model_path())
-        named = not Path(path).exists() and path in named_configs.NAMED_CONFIGS
-        config = named_configs.named_config(path) if named else load_config(path)
-        with torch.device("meta"):
-            model = Denoiser(config)
-        total, active = model.num_parameters()
+        dg = diffusion_gemma_of(path)  # DiffusionGemma: its own config and plan (docs/ARCHITECTURE.md section 11)
+        named = not Path(path).exists() and (path in named_configs.NAMED_CONFIGS or dg is not None)
+        if dg is not None:
+            config, stored = dg[0], dg[2]
+        else:
+            config = named_configs.named_config(path) if named else load_config(path)
+            with torch.device("meta"):
+                model = Denoiser(config)
+            total, active = model.num_parameters()
         if named:
             files, dtypes, size, ckpt_quant = [], [], 0, None
         else:
@@ -238,8 +221,8 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
             dtypes = sorted({i.dtype for f in files for i in read_header(f).values()})
             size = sum(f.stat().st_size for f in files)
             ckpt_quant = read_quant_config(Path(path))
-        # A 16-bit checkpoint's format is the dtype its config declares.
-        stored = ckpt_quant or memory.DTYPE_NAMES.get(str(config.torch_dtype or "").replace("torch.", ""))
+        if dg is None:  # a 16-bit checkpoint's format is the dtype its config declares
+            stored = ckpt_quant or memory.DTYPE_NAMES.get(str(config.torch_dtype or "").replace("torch.", ""))
         schemes = [memory.parse_quant(q) for q in quants] or [memory.parse_quant(stored)]
         if quantize_lm_head:
             schemes = [s.replace(lm_head=True) if s.quantized else s for s in schemes]
@@ -267,32 +250,34 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
     c = config
     console = Console()
     table = Table(title=f"{Path(path).name}", show_header=False)
-    rows = [
+    weights = (f"{len(files)} file(s), {size / 2**20:.1f} MiB, {', '.join(dtypes)}" if files
+               else "none (a named config)")
+    rows = info_rows(c, weights) if dg is not None else [
         ("model type", c.model_type),
-        ("parameters", f"{_count(total)} total, {_count(active)} active per token"),
+        ("parameters", f"{count_label(total)} total, {count_label(active)} active per token"),
         ("layers", f"{c.num_hidden_layers}: {layer_pattern(c.layer_types)}"),
         ("hidden size", str(c.hidden_size)),
         ("attention", f"{c.num_attention_heads} q heads, {c.num_key_value_heads} kv heads, head dim {c.head_dim}, "
                       f"RoPE on {c.rotary_dim} dims (theta {c.rope_theta:g})"
                       + (", output gate" if c.attention_output_gate else "")),
     ]
-    if c.gdn_layers:
+    if dg is None and c.gdn_layers:
         rows.append(("Gated DeltaNet", f"{c.linear_num_key_heads} qk heads x {c.linear_key_head_dim}, "
                                        f"{c.linear_num_value_heads} v heads x {c.linear_value_head_dim}, "
                                        f"conv {c.linear_conv_kernel_dim}"))
-    if "moe" in c.mlp_types:
+    if dg is None and "moe" in c.mlp_types:
         shared = f" + shared expert {c.shared_expert_intermediate_size}" if c.shared_expert_intermediate_size else ""
         rows.append(("MoE", f"{c.num_experts} experts, top-{c.num_experts_per_tok} ({c.router} router), "
                             f"intermediate {c.moe_intermediate_size}{shared}"))
-    if "dense" in c.mlp_types:
+    if dg is None and "dense" in c.mlp_types:
         rows.append(("dense MLP", f"{c.mlp_types.count('dense')} layers, intermediate {c.intermediate_size}"))
-    rows += [
-        ("vocabulary", f"{c.vocab_size}" + (" (tied lm_head)" if c.tie_word_embeddings else "")),
-        ("context", str(c.max_position_embeddings)),
-        ("block diffusion", f"block size {c.block_size or 'not set'}, mask token {c.mask_token_id}"),
-        ("weights", f"{len(files)} file(s), {size / 2**20:.1f} MiB, {', '.join(dtypes)}" if files
-         else "none (a named config)"),
-    ]
+    if dg is None:
+        rows += [
+            ("vocabulary", f"{c.vocab_size}" + (" (tied lm_head)" if c.tie_word_embeddings else "")),
+            ("context", str(c.max_position_embeddings)),
+            ("block diffusion", f"block size {c.block_size or 'not set'}, mask token {c.mask_token_id}"),
+            ("weights", weights),
+        ]
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
@@ -301,7 +286,8 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
     if context > c.max_position_embeddings:
         console.print(f"note: --context {context} is longer than the model's {c.max_position_embeddings}",
                       style="yellow", markup=False)
-    console.print("activation workspace:\n" + memory.WORKSPACE_FORMULA, style="dim", markup=False, highlight=False)
+    formula = DG_WORKSPACE_FORMULA if dg is not None else memory.WORKSPACE_FORMULA
+    console.print("activation workspace:\n" + formula, style="dim", markup=False, highlight=False)
     for key in cards:
         for p in plans:
             q = planner.plan(config, p.scheme, context, key, block_size=block_size, _name=p.model)
@@ -319,7 +305,7 @@ def _plan_table(plans):
     from clover_lite.planning.devices import fmt_bytes
 
     p0, last = plans[0], plans[-1]
-    title = f"memory plan at {p0.context_len} tokens of context, block {p0.block_size}, activations {p0.dtype}"
+    title = f"memory plan at {p0.context_len} tokens of context, {p0.step_label}, activations {p0.dtype}"
     table = Table(title=title)
     table.add_column("component")
     for p in plans:

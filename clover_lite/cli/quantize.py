@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -49,7 +50,8 @@ def quantize(src, out, method, group_size, asym, no_act_order, no_static_groups,
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
 
-    from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
+    from clover_lite.quant.diffusion_gemma import quantize_diffusion_gemma
+    from clover_lite.quant.pipeline import QuantizeOptions, is_diffusion_gemma_dir, quantize_model
 
     options = QuantizeOptions(
         method=method, group_size=group_size, sym=not asym, act_order=not no_act_order,
@@ -72,8 +74,9 @@ def quantize(src, out, method, group_size, asym, no_act_order, no_static_groups,
                     click.echo(f"layer {i + 1}/{n} {info['kind']}: {info['seconds']:.1f} s"
                                + (f", relative error {errs}" if errs else ""), err=True)
 
-            report = quantize_model(src, out, options, force=force, resume=resume, restart=restart,
-                                    on_layer=on_layer)
+            # DiffusionGemma (an encoder-decoder) has its own layer walk: docs/ARCHITECTURE.md section 11.
+            run = quantize_diffusion_gemma if is_diffusion_gemma_dir(Path(src)) else quantize_model
+            report = run(src, out, options, force=force, resume=resume, restart=restart, on_layer=on_layer)
     except KeyboardInterrupt:
         click.echo(f"\ninterrupted: rerun the same command with --resume to continue from the finished layers "
                    f"({out} was not written)", err=True)
@@ -112,6 +115,12 @@ def eval_cmd(model, reference, text, nsamples, seqlen, seed, device) -> None:
     from clover_lite.runtime.engine import load
 
     try:
+        from clover_lite.quant.pipeline import is_diffusion_gemma_dir
+
+        for path in (model, reference):
+            if path and is_diffusion_gemma_dir(Path(path)):
+                raise CloverError(f"{path}: a DiffusionGemma checkpoint; clover eval measures block denoisers' "
+                                  "masked-token NLL and does not read it (clover run and clover_lite.load do)")
         t = time.perf_counter()
         # No decoding here: no CUDA-graph step, nor the cache sized to the free memory it would keep.
         engine = load(model, device=device, static_step=False)

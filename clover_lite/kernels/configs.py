@@ -326,6 +326,8 @@ class KernelChanges:
     # swapped operands (mma_swap) apply only to weights in that order, so this switches them too
     sum_in_kernel: bool  # the last K split of each tile sums the partials in the same launch
     # (int4_split_k.last_split_sums)
+    diffusion_gemma: bool = False  # DiffusionGemma's INT4 linears, GELU experts (gate and up unfused) and norms
+    # on the Triton kernels under `auto` (kernels/forwards.py); off: its reference path on a GPU too
 
 
 @dataclass(frozen=True)
@@ -341,8 +343,9 @@ class Verified:
 # Promote a change by setting it True here, with the RESULTS.md line of the GPU session that verified it.
 VERIFIED = Verified(date="2026-12-04", card="H200", commit="fe1975c",
                     changes=KernelChanges(mma_order=False, sum_in_kernel=False))
-# Never run on a GPU: MMA-order weights and swapped operands, the in-kernel split-K sum (benchmarks/RESULTS.md).
-UNVERIFIED = KernelChanges(mma_order=True, sum_in_kernel=True)
+# Never run on a GPU: MMA-order weights and swapped operands, the in-kernel split-K sum, DiffusionGemma on the
+# kernels (benchmarks/RESULTS.md).
+UNVERIFIED = KernelChanges(mma_order=True, sum_in_kernel=True, diffusion_gemma=True)
 UNVERIFIED_SWITCH = "CLOVER_KERNELS_UNVERIFIED"
 
 

@@ -18,7 +18,12 @@ only where it computes what the module's reference does for this variant, checke
   ungated one is added to the residual it sums (the same sum in another order);
 - attention without the output gate (SDAR, LLaDA2) runs the same block-attention kernel with no gate, and
   norms without the (1 + w) offset the same norm kernel with unit_offset off: both kernels take these as
-  arguments and are tested on them.
+  arguments and are tested on them;
+- experts with another activation than SiLU (DiffusionGemma's GELU experts): the same MoE launches with gate
+  and up unfused and the activation in torch between them (the fused epilogue computes SiLU only);
+- DiffusionGemma (docs/ARCHITECTURE.md section 11): its INT4 linears, experts and RMSNorms take the kernels
+  above; its attention (`GemmaAttention`, over a prefix cache with sliding windows and no 1/sqrt(d) scale) and
+  router have no kernel and stay on the reference.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from clover_lite.models.denoiser import Denoiser
 from clover_lite.models.gdn import GatedDeltaNet
 from clover_lite.models.layers import GatedRMSNorm, RMSNorm, SwiGLU, join_rows
 from clover_lite.models.moe import Router, SparseMoE
-from clover_lite.models.quantized import QuantExperts, QuantLinear
+from clover_lite.models.quantized import ACTIVATIONS, QuantExperts, QuantLinear
 from clover_lite.quant.pack import sort_rows_by_group
 
 
@@ -155,7 +160,9 @@ def _quant_experts_forward(self: QuantExperts, x, weights, ids, shared=None, sha
     parts = [p._int4 for p in (self.gate_proj, self.up_proj, self.down_proj)]
     if shared is not None and shared_logit is None:  # an ungated shared expert (LLaDA2): into the residual sum
         residual, shared = (shared if residual is None else residual + shared), None
-    extra = dict(validate=False, shared=shared, shared_logit=shared_logit, residual=residual)
+    # SiLU is fused into the gate/up launch; another activation (DiffusionGemma's GELU) runs in torch between.
+    act = None if self.activation == "silu" else ACTIVATIONS[self.activation]
+    extra = dict(validate=False, shared=shared, shared_logit=shared_logit, residual=residual, activation=act)
     if self.graph_safe:  # inside StaticStep.forward: never the padded path (its buffers are sized on the host)
         return fused_moe(x, weights, ids, *parts, gemv_max_rows=1 << 30, **extra)
     return fused_moe(x, weights, ids, *parts, **extra)

@@ -12,6 +12,7 @@ of the pairs by expert and the combine of their outputs per token are kernels of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -47,8 +48,9 @@ def _gather_columns(rows: torch.Tensor, w: Int4Weights, experts: torch.Tensor) -
     return rows if w.perm is None else torch.gather(rows, 1, w.perm[experts])
 
 
-def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
+def _act_mul(gate: torch.Tensor, up: torch.Tensor, activation: Callable | None = None) -> torch.Tensor:
+    act = torch.nn.functional.silu if activation is None else activation
+    return (act(gate.float()) * up.float()).to(gate.dtype)
 
 
 def fused_moe(
@@ -63,10 +65,13 @@ def fused_moe(
     shared: torch.Tensor | None = None,
     shared_logit: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    activation: Callable | None = None,
 ) -> torch.Tensor:
     """x [T, hidden], routing weights / expert ids [T, k] -> sum_k w * down(silu(gate(x)) * up(x)) [T, hidden],
     plus sigmoid(shared_logit) * shared ([T, 1] and [T, hidden]: the shared expert) and `residual`
-    ([T, hidden]) if given, in the combine."""
+    ([T, hidden]) if given, in the combine. `activation` (a torch function, e.g. GELU for DiffusionGemma)
+    replaces SiLU: gate and up then run as two launches and the activation in torch between them and the
+    down projection (the fused SiLU * up epilogue is SiLU's only)."""
     T, k = expert_ids.shape
     if x.dim() != 2 or x.shape[0] != T:
         raise ValueError(f"x must be [T, hidden] with T = {T}, got {tuple(x.shape)}")
@@ -95,12 +100,15 @@ def fused_moe(
     if P <= touched * gemv_max_rows:  # a program per pair
         def mv(inp, w, w2=None, **kw):
             return gemv(inp, w, w2, row_expert=sorted_e, n_rows=P, moe=True, **kw)
-        if not permuted:
+        if activation is not None:  # not SiLU: unfused, each from its own (gathered) input
+            inter = _act_mul(mv(x, gate, rows=token_of) if not permuted else mv(x_gate, gate),
+                              mv(x, up, rows=token_of) if not permuted else mv(x_up, up), activation)
+        elif not permuted:
             inter = mv(x, gate, up, rows=token_of)
         elif x_up is x_gate:
             inter = mv(x_gate, gate, up)
         else:  # gate and up in different row orders (not what GPTQ writes): unfused
-            inter = _silu_mul(mv(x_gate, gate), mv(x_up, up))
+            inter = _act_mul(mv(x_gate, gate), mv(x_up, up))
         inter = _gather_columns(inter, down, sorted_e)
         # The split-K partials go to the combine as they are: it sums them with the token's k rows.
         y = mv(inter, down, row_scale=pairs.scale, sum_splits=False)
@@ -111,11 +119,13 @@ def fused_moe(
     tiles = dict(tile_expert=tile_expert, n_rows=n_pad, config=replace(cfg, split_k=1))
     if not permuted:
         x_rows = torch.where(padded_pairs >= 0, token_of[padded_pairs.clamp(min=0).long()], -1).to(torch.int32)
-        inter = gemm(x, gate, up, rows=x_rows, **tiles)
-    elif x_up is x_gate:
+        inter = gemm(x, gate, up, rows=x_rows, **tiles) if activation is None else _act_mul(
+            gemm(x, gate, rows=x_rows, **tiles), gemm(x, up, rows=x_rows, **tiles), activation)
+    elif x_up is x_gate and activation is None:
         inter = gemm(x_gate, gate, up, rows=padded_pairs, **tiles)
     else:
-        inter = _silu_mul(gemm(x_gate, gate, rows=padded_pairs, **tiles), gemm(x_up, up, rows=padded_pairs, **tiles))
+        inter = _act_mul(gemm(x_gate, gate, rows=padded_pairs, **tiles), gemm(x_up, up, rows=padded_pairs, **tiles),
+                          activation)
     inter = _gather_columns(inter, down, tile_expert.long().repeat_interleave(cfg.block_m))
     scale_pad = torch.zeros(n_pad, device=x.device, dtype=torch.float32)
     scale_pad[pos] = pairs.scale

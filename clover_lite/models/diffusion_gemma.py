@@ -22,7 +22,7 @@ from torch import nn
 from clover_lite.models.attention import attend
 from clover_lite.models.diffusion_gemma_config import DiffusionGemmaConfig, LayerShape
 from clover_lite.models.layers import RMSNorm, apply_rotary
-from clover_lite.models.moe import Experts, dispatch
+from clover_lite.models.moe import Experts
 
 PREFILL_CHUNK = 2048  # the causal encoder is exact in chunks; bounds a long prompt's activations
 
@@ -177,8 +177,8 @@ class GemmaLayer(nn.Module):
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
         flat = h.reshape(-1, h.shape[-1])
         weights, ids = self.router(flat)  # routed on the un-normed residual stream
-        routed = dispatch(self.pre_feedforward_layernorm_2(flat), weights, ids, self.experts.gate_up_proj.shape[0],
-                          self.experts.expert)
+        # The experts' forward is the seam: GPTQ experts (QuantExperts, GELU) and their fused kernel replace it.
+        routed = self.experts(self.pre_feedforward_layernorm_2(flat), weights, ids)
         routed = self.post_feedforward_layernorm_2(routed.reshape(h.shape))
         h = h + self.post_feedforward_layernorm(dense + routed)
         return h * scalar, k, v

@@ -101,14 +101,26 @@ class NF4Linear(nn.Module):
         return F.linear(x, self.weight_of(dtype=x.dtype), self.bias)
 
 
+# The experts' gate activations: SiLU (Qwen, SDAR, LLaDA2) and GELU (DiffusionGemma's experts).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
 class QuantExperts(nn.Module):
     """All experts of a layer as stacked quantized linears gate_proj / up_proj / down_proj, each [E, ...];
-    `make(in_features, out_features, stack)` builds one stack (GPTQ or NF4)."""
+    `make(in_features, out_features, stack)` builds one stack (GPTQ or NF4). Each expert computes
+    down(act(gate(x)) * up(x)), `activation` one of ACTIVATIONS."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int,
-                 make: Callable[[int, int, int], nn.Module]):
+                 make: Callable[[int, int, int], nn.Module], activation: str = "silu"):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown expert activation '{activation}'; one of {', '.join(ACTIVATIONS)}")
         self.num_experts = num_experts
+        self.activation = activation
         self.gate_proj = make(hidden, intermediate, num_experts)
         self.up_proj = make(hidden, intermediate, num_experts)
         self.down_proj = make(intermediate, hidden, num_experts)
@@ -116,7 +128,7 @@ class QuantExperts(nn.Module):
     def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
         gate = F.linear(h, self.gate_proj.weight_of(e, h.dtype))
         up = F.linear(h, self.up_proj.weight_of(e, h.dtype))
-        return F.linear(F.silu(gate) * up, self.down_proj.weight_of(e, h.dtype))
+        return F.linear(ACTIVATIONS[self.activation](gate) * up, self.down_proj.weight_of(e, h.dtype))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None = None,
                 shared_logit: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -128,12 +140,12 @@ class QuantExperts(nn.Module):
 
 
 def gptq_experts(num_experts: int, hidden: int, intermediate: int, groups_in: int, groups_down: int,
-                 checkpoint_format: str = "gptq") -> QuantExperts:
+                 checkpoint_format: str = "gptq", activation: str = "silu") -> QuantExperts:
     def make(k: int, n: int, stack: int) -> QuantLinear:
         return QuantLinear(k, n, groups_in if k == hidden else groups_down, checkpoint_format=checkpoint_format,
                            stack=stack)
 
-    return QuantExperts(num_experts, hidden, intermediate, make)
+    return QuantExperts(num_experts, hidden, intermediate, make, activation)
 
 
 def nf4_experts(num_experts: int, hidden: int, intermediate: int, blocksize: int = 64) -> QuantExperts:

@@ -6,6 +6,7 @@ from typing import Any
 
 from clover_lite.errors import CloverError
 from clover_lite.models.config import ModelConfig, config_from_dict
+from clover_lite.models.diffusion_gemma_config import DiffusionGemmaConfig, diffusion_gemma_config_from_dict
 
 
 def clover_35b_a3b_config() -> dict[str, Any]:
@@ -163,12 +164,65 @@ def _tiny() -> dict[str, Any]:
     return tiny_config()
 
 
+def diffusiongemma_26b_a4b_config() -> dict[str, Any]:
+    """config.json (text path) of google/diffusiongemma-26B-A4B-it as its published config gives it: 30 Gemma-4
+    layers of 2816 (five sliding, window 1024, 16 q / 8 kv heads of 256, then one full, 16 q / 2 kv heads of
+    512 with keys as values), a dense GELU MLP of 2112 beside 128 GELU experts of 704 top-8, vocabulary 262,144
+    tied, canvas 256. Keys as values (`attention_k_eq_v`, no v_proj in full layers) is what transformers 5.24
+    builds and the only choice the published bf16 size allows (planning/diffusion_gemma.py; tests)."""
+    n = 30
+    text = {
+        "model_type": "diffusion_gemma_text",
+        "vocab_size": 262144,
+        "hidden_size": 2816,
+        "intermediate_size": 2112,
+        "num_hidden_layers": n,
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)],
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "num_global_key_value_heads": 2,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "attention_k_eq_v": True,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "moe_intermediate_size": 704,
+        "num_experts": 128,
+        "top_k_experts": 8,
+        "sliding_window": 1024,
+        "final_logit_softcapping": 30.0,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+        },
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+    }
+    return {"model_type": "diffusion_gemma", "architectures": ["DiffusionGemmaForBlockDiffusion"], "canvas_length": 256,
+            "tie_word_embeddings": True, "text_config": text, "dtype": "bfloat16"}
+
+
 NAMED_CONFIGS = {"tiny": _tiny, "clover-35b-a3b": clover_35b_a3b_config, "sdar-8b": sdar_8b_config,
                  "sdar-30b-a3b": sdar_30b_a3b_config, "llada2.1-mini": llada2_1_mini_config,
                  "llada2-flash": llada2_flash_config}
+# DiffusionGemma is not a block denoiser (its own config, model and plan: docs/ARCHITECTURE.md section 11), so
+# its names live apart: `clover info` and `clover_lite.plan` take them, `clover bench --config` does not.
+DIFFUSION_GEMMA_CONFIGS = {"diffusiongemma-26b-a4b": diffusiongemma_26b_a4b_config}
 
 
 def named_config(name: str) -> ModelConfig:
     if name not in NAMED_CONFIGS:
-        raise CloverError(f"unknown config '{name}'; known: {', '.join(NAMED_CONFIGS)}")
+        if name in DIFFUSION_GEMMA_CONFIGS:
+            raise CloverError(f"'{name}' is a DiffusionGemma config: `clover info {name}` and clover_lite.plan take "
+                              "it; this command runs block denoisers only")
+        raise CloverError(f"unknown config '{name}'; known: {', '.join([*NAMED_CONFIGS, *DIFFUSION_GEMMA_CONFIGS])}")
     return config_from_dict(NAMED_CONFIGS[name](), source=name)
+
+
+def named_diffusion_gemma_config(name: str) -> DiffusionGemmaConfig:
+    if name not in DIFFUSION_GEMMA_CONFIGS:
+        raise CloverError(f"unknown DiffusionGemma config '{name}'; known: {', '.join(DIFFUSION_GEMMA_CONFIGS)}")
+    return diffusion_gemma_config_from_dict(DIFFUSION_GEMMA_CONFIGS[name](), source=name)

@@ -23,19 +23,16 @@ Known cards (`KNOWN_GPUS`) are counted at their memory capacity minus a reserve 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from clover_lite.errors import CloverError
 from clover_lite.models.config import ModelConfig, config_from_dict, load_config
-from clover_lite.planning.devices import CUDA_CONTEXT_BYTES, KNOWN_GPUS, Target, fmt_bytes, resolve_target
+from clover_lite.planning.devices import CUDA_CONTEXT_BYTES, Target, fmt_bytes, resolve_target
 from clover_lite.planning.memory import (
     DTYPE_NAMES,
-    FLOAT_KINDS,
-    WORKSPACE_FORMULA,
     QuantScheme,
     dtype_name,
     gdn_state_bytes,
@@ -45,10 +42,9 @@ from clover_lite.planning.memory import (
     weight_bytes,
     workspace_bytes,
 )
+from clover_lite.planning.memory_plan import PREFILL_CHUNK, MemoryPlan, _default_backend
 from clover_lite.planning.named_configs import NAMED_CONFIGS, named_config
 
-# The runtime's prompt prefill runs in chunks of this many tokens (CachedRunner's default).
-PREFILL_CHUNK = 2048
 # The context `load()` checks a model against (a generation asks for more only if the prompt is long).
 LOAD_CHECK_CONTEXT = 4096
 
@@ -61,164 +57,12 @@ _gb = fmt_bytes
 
 
 @dataclass
-class MemoryPlan:
-    model: str
-    config: ModelConfig = field(repr=False)
-    scheme: QuantScheme
-    dtype: str
-    context_len: int
-    block_size: int
-    prefill_chunk: int
-    weights: dict[str, dict[str, int]]
-    kv_per_token: int
-    gdn_state: int
-    step_workspace: int
-    prefill_workspace: int
-    logits: int
-    cuda_context: int
-    target: Target | None = None
-    backend: str = "torch"
+class BlockPlan(MemoryPlan):
+    """The plan of a block denoiser (the Denoiser's config), re-planned by `plan`."""
 
-    # ---- totals ----------------------------------------------------------------------------------
-    @property
-    def weight_bytes(self) -> int:
-        return sum(sum(v.values()) for v in self.weights.values())
-
-    @property
-    def kv_cache(self) -> int:
-        return self.kv_per_token * self.context_len
-
-    @property
-    def workspace(self) -> int:
-        return max(self.step_workspace, self.prefill_workspace)
-
-    @property
-    def total(self) -> int:
-        return self.weight_bytes + self.kv_cache + self.gdn_state + self.workspace + self.logits + self.cuda_context
-
-    def fits(self, capacity: int | None = None) -> bool:
-        cap = capacity if capacity is not None else (self.target.capacity if self.target else None)
-        if cap is None:
-            raise ValueError("no device to compare with: pass a capacity or plan for a device")
-        return self.total <= cap
-
-    def fits_on(self) -> dict[str, bool]:
-        """Known card -> fits (with the CUDA context, whatever this plan's device is)."""
-        gpu_total = self.total - self.cuda_context + CUDA_CONTEXT_BYTES
-        return {k: gpu_total <= g.usable for k, g in KNOWN_GPUS.items()}
-
-    def max_context(self, capacity: int) -> int:
-        """The longest context that fits `capacity` (0 if not even the weights fit). The workspace grows
-        with the context too, so this searches."""
-        lo, hi = 0, max(self.config.max_position_embeddings, self.context_len)
-        if self.with_context(0).total > capacity:
-            return 0
-        if self.with_context(hi).total <= capacity:
-            return hi
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.with_context(mid).total <= capacity else (lo, mid)
-        return lo
-
-    def with_context(self, context_len: int) -> MemoryPlan:
-        return plan(self.config, self.scheme, context_len, None, block_size=self.block_size, dtype=self.dtype,
+    def _replan(self, scheme: QuantScheme, context_len: int, dtype: str) -> MemoryPlan:
+        return plan(self.config, scheme, context_len, None, block_size=self.block_size, dtype=dtype,
                     prefill_chunk=self.prefill_chunk, backend=self.backend, _target=self.target, _name=self.model)
-
-    # ---- advice ----------------------------------------------------------------------------------
-    def suggestions(self, capacity: int | None = None) -> list[str]:
-        """What to change so that the model fits `capacity` (this plan's device by default)."""
-        cap = capacity if capacity is not None else (self.target.capacity if self.target else None)
-        if cap is None or self.total <= cap:
-            return []
-        out = []
-        fixed = self.with_context(0)
-        if fixed.total > cap:
-            out.append(f"the weights alone need {_gb(self.weight_bytes)}: no context length fits {_gb(cap)}")
-        else:
-            n = self.max_context(cap)
-            out.append(f"shorten the context to {n} tokens (or fewer): needs {_gb(self.with_context(n).total)}")
-        if self.scheme.kind in FLOAT_KINDS:
-            q = self._variant(QuantScheme("int4"), "bf16" if self.dtype == "fp32" else self.dtype)
-            fits = "fits" if q.total <= cap else "still does not fit"
-            out.append(f"use INT4 weights (clover quantize SRC OUT): {_gb(q.total)} at {self.context_len} tokens, "
-                       f"{fits}")
-        if self.scheme.quantized and not self.scheme.lm_head and not self.config.tie_word_embeddings:
-            q = self._variant(self.scheme.replace(lm_head=True), self.dtype)
-            if q.total < self.total:
-                out.append(f"quantize lm_head too (clover quantize --quantize-lm-head): saves "
-                           f"{_gb(self.total - q.total)}, {'fits' if q.total <= cap else 'still does not fit'}")
-        if self.dtype == "fp32":
-            q = self._variant(self.scheme if self.scheme.quantized else QuantScheme("bf16"), "bf16")
-            out.append(f"run in bf16 (--dtype bfloat16): {_gb(q.total)}")
-        bigger = [g.name for k, g in KNOWN_GPUS.items() if self.fits_on()[k] and g.usable > cap]
-        if bigger and self.target is not None and not self.target.gpu and self.target.name.startswith("cpu"):
-            out.append(f"on a GPU it fits: {', '.join(bigger)}")
-        elif bigger:
-            out.append(f"a card with more memory: {', '.join(bigger)}")
-        return out
-
-    def _variant(self, scheme: QuantScheme, dtype: str) -> MemoryPlan:
-        return plan(self.config, scheme, self.context_len, None, block_size=self.block_size, dtype=dtype,
-                    prefill_chunk=self.prefill_chunk, backend=self.backend, _target=self.target, _name=self.model)
-
-    # ---- output ----------------------------------------------------------------------------------
-    def rows(self) -> list[tuple[str, int, str]]:
-        """(component, bytes, how it is counted) for a table."""
-        c = self.config
-        d = FLOAT_KINDS[self.dtype]
-        rows = []
-        for name, kinds in self.weights.items():
-            detail = ", ".join(f"{k} {_gb(v)}" for k, v in kinds.items() if v)
-            rows.append((f"weights: {name}", sum(kinds.values()), detail))
-        rows.append(("KV cache", self.kv_cache,
-                     f"{self.kv_per_token} B/token = 2 x {c.num_key_value_heads} kv heads x {c.head_dim} x {d} B x "
-                     f"{len(c.attention_layers)} attention layers, x {self.context_len} tokens"))
-        if c.gdn_layers:
-            rows.append(("GDN state", self.gdn_state,
-                         f"{len(c.gdn_layers)} layers x ({c.linear_num_value_heads} x {c.linear_key_head_dim} x "
-                         f"{c.linear_value_head_dim} fp32 + conv tail {c.gdn_conv_dim} x "
-                         f"{c.linear_conv_kernel_dim - 1} x {d} B)"))
-        rows.append(("activation workspace (estimate)", self.workspace,
-                     f"max(step of {self.block_size} tokens {_gb(self.step_workspace)}, prefill chunk of "
-                     f"{self.prefill_chunk} tokens {_gb(self.prefill_workspace)}), {self.backend} kernels"))
-        rows.append(("logits buffer", self.logits, f"{self.block_size} x {c.vocab_size} x 4 B (fp32)"))
-        if self.cuda_context:
-            rows.append(("CUDA context", self.cuda_context, "constant CUDA_CONTEXT_BYTES (driver, runtime, cuBLAS)"))
-        return rows
-
-    def verdict(self) -> str:
-        if self.target is None:
-            return ""
-        ok = self.total <= self.target.capacity
-        return (f"{'fits' if ok else 'does NOT fit'}: needs {_gb(self.total)}, {self.target.name} has "
-                f"{_gb(self.target.capacity)}")
-
-    def message(self) -> str:
-        """One paragraph for an error or a report: need, have, what to change."""
-        head = f"{self.model} ({self.scheme.label()}, {self.dtype}) at {self.context_len} tokens of context"
-        lines = [f"{head}: {self.verdict() or 'needs ' + _gb(self.total)}"]
-        parts = [("weights", self.weight_bytes), ("KV cache", self.kv_cache), ("GDN state", self.gdn_state),
-                 ("workspace (estimate)", self.workspace), ("logits", self.logits),
-                 ("CUDA context", self.cuda_context)]
-        lines.append("  = " + " + ".join(f"{name} {_gb(b)}" for name, b in parts if b))
-        for s in self.suggestions():
-            lines.append(f"  - {s}")
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model, "quant": self.scheme.label(), "dtype": self.dtype, "backend": self.backend,
-            "context_len": self.context_len, "block_size": self.block_size, "prefill_chunk": self.prefill_chunk,
-            "weights": self.weights, "weight_bytes": self.weight_bytes, "kv_bytes_per_token": self.kv_per_token,
-            "kv_cache_bytes": self.kv_cache, "gdn_state_bytes": self.gdn_state,
-            "workspace_bytes": self.workspace, "workspace_step_bytes": self.step_workspace,
-            "workspace_prefill_bytes": self.prefill_workspace, "workspace_formula": WORKSPACE_FORMULA,
-            "logits_bytes": self.logits, "cuda_context_bytes": self.cuda_context, "total_bytes": self.total,
-            "device": None if self.target is None else self.target.name,
-            "capacity_bytes": None if self.target is None else self.target.capacity,
-            "fits": None if self.target is None else self.fits(),
-            "fits_on": self.fits_on(), "suggestions": self.suggestions(),
-        }
 
 
 def _config_of(config: ModelConfig | dict | str | os.PathLike) -> tuple[ModelConfig, str, dict | None]:
@@ -231,7 +75,10 @@ def _config_of(config: ModelConfig | dict | str | os.PathLike) -> tuple[ModelCon
         return named_config(config), config, None
     p = Path(config)
     if not p.exists():
-        raise CloverError(f"{p}: no such model directory or config (named configs: {', '.join(NAMED_CONFIGS)})")
+        from clover_lite.planning.named_configs import DIFFUSION_GEMMA_CONFIGS
+
+        names = ", ".join([*NAMED_CONFIGS, *DIFFUSION_GEMMA_CONFIGS])
+        raise CloverError(f"{p}: no such model directory or config (named configs: {names})")
     from clover_lite.checkpoint.load import read_quant_config
 
     qc = read_quant_config(p) if p.is_dir() else None
@@ -263,7 +110,17 @@ def plan(
     dtype: the runtime dtype of float tensors (default: the quant's, bf16 for INT4/NF4). backend: "torch"
     (PyTorch reference) or "triton" (the kernels); default: what `load` picks for the device (Triton on a GPU).
     quantize_lm_head: INT4 / NF4 with lm_head quantized too (default: as the quant says; 16-bit for "int4").
+    A DiffusionGemma config, named config or checkpoint gets its own plan (planning/diffusion_gemma.py: the
+    canvas instead of a block, a prefix cache whose sliding layers keep their window; `block_size` and
+    `quantize_lm_head` do not apply).
     """
+    from clover_lite.planning.diffusion_gemma import diffusion_gemma_of, plan_diffusion_gemma
+
+    dg = diffusion_gemma_of(config)
+    if dg is not None:
+        return plan_diffusion_gemma(dg[0], quant if quant is not None else dg[2], context_len, device, dtype=dtype,
+                                    prefill_chunk=prefill_chunk, backend=backend, _target=_target,
+                                    _name=_name or dg[1])
     cfg, name, ckpt_quant = _config_of(config)
     scheme = parse_quant(quant if quant is not None else ckpt_quant)
     if quantize_lm_head is not None and scheme.quantized:
@@ -279,7 +136,7 @@ def plan(
         backend = _default_backend(device, gpu)
     if backend not in ("torch", "triton"):
         raise CloverError(f"backend must be 'torch' or 'triton', got '{backend}'")
-    return MemoryPlan(
+    return BlockPlan(
         model=_name or name,
         config=cfg,
         scheme=scheme,
@@ -297,20 +154,6 @@ def plan(
         target=target,
         backend=backend,
     )
-
-
-def _default_backend(device, gpu: bool) -> str:
-    """The kernels `load` would choose: kernels.dispatch.select for a real device, Triton for a GPU card."""
-    from clover_lite.kernels import dispatch
-
-    real = isinstance(device, torch.device) or (
-        isinstance(device, str) and device.lower().split(":")[0] in ("cpu", "cuda"))
-    if real:
-        try:
-            return dispatch.select(device)
-        except (RuntimeError, ValueError):
-            return "torch"
-    return "triton" if gpu else "torch"
 
 
 def meta_model(config: ModelConfig | str, quant: str | dict | QuantScheme | None = None,

@@ -43,7 +43,7 @@ from clover_lite.errors import CloverError
 from clover_lite.models.config import ModelConfig, load_config
 from clover_lite.models.denoiser import Denoiser, block_causal_mask
 from clover_lite.models.moe import SparseMoE
-from clover_lite.models.quantized import NF4Linear, QuantLinear, gptq_experts, nf4_experts
+from clover_lite.models.quantized import NF4Linear, QuantExperts, QuantLinear, gptq_experts, nf4_experts
 from clover_lite.quant.calibration import calibration_ids, read_calibration_file, stdlib_texts, token_stream
 from clover_lite.quant.gptq import HessianAccumulator, gptq_quantize, weighted_error
 from clover_lite.quant.nf4 import quantize_nf4
@@ -155,7 +155,11 @@ def fitting_group_sizes(shapes: dict[str, tuple[int, int]]) -> list[int]:
 def check_shapes(model: Denoiser, options: QuantizeOptions) -> QuantizeOptions:
     """Fail before any work if a linear cannot be packed with these settings; the options with the group
     size chosen when it was left to us (None: the first of GROUP_SIZES that divides every layer)."""
-    shapes = linear_shapes(model, options)
+    return check_linear_shapes(linear_shapes(model, options), options)
+
+
+def check_linear_shapes(shapes: dict[str, tuple[int, int]], options: QuantizeOptions) -> QuantizeOptions:
+    """check_shapes on (out, in) features by name (any model's linears)."""
     for name, (n, k) in shapes.items():
         if k % PACK or n % PACK:
             raise QuantizationError(f"{name} is {n} x {k}: INT4 GPTQ packing needs both divisible by {PACK}")
@@ -176,12 +180,14 @@ def check_shapes(model: Denoiser, options: QuantizeOptions) -> QuantizeOptions:
 class LayerStats:
     """Input Hessians of a layer's linears (per input group) and, for MoE, of every expert."""
 
-    def __init__(self, layer: torch.nn.Module, options: QuantizeOptions, device: torch.device):
+    def __init__(self, layer: torch.nn.Module, options: QuantizeOptions, device: torch.device,
+                 targets: list[tuple[str, str, str]] | None = None):
+        """`targets`: the linears as layer_targets gives them (default: the Denoiser layer's own)."""
         self.layer, self.options, self.device = layer, options, device
         self.groups: dict[str, HessianAccumulator] = {}
         self.handles = []
         first = {}
-        for name, _, group in layer_targets(layer):
+        for name, _, group in (layer_targets(layer) if targets is None else targets):
             first.setdefault(group, name)
         for group, name in first.items():
             mod = layer.get_submodule(name)
@@ -201,14 +207,20 @@ class LayerStats:
 
     def _moe_hook(self, module: SparseMoE, args) -> None:
         x = args[0].reshape(-1, args[0].shape[-1])
-        experts = module.experts
-        E, inter = experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[1] // 2
+        _, ids = module.gate(x)
+        self.add_experts(x, ids, module.experts.gate_up_proj, F.silu)
+
+    def add_experts(self, x: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+                    activation: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The experts' statistics from their input x [T, hidden] routed to ids [T, k]: the input Hessian
+        (shared, or per expert from its routed tokens) and each expert's down-projection input,
+        activation(gate) * up, from every token ("all") or its routed ones."""
+        E, inter = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
         if not self.experts_down:
             per_expert_in = self.options.moe_calibration == "routed"
             self.experts_in = [HessianAccumulator(x.shape[1], self.device) for _ in range(E if per_expert_in else 1)]
             self.experts_down = [HessianAccumulator(inter, self.device) for _ in range(E)]
             self.routed = torch.zeros(E, dtype=torch.long)
-        _, ids = module.gate(x)
         self.routed += torch.bincount(ids.reshape(-1).cpu(), minlength=E)
         if self.options.moe_calibration == "all":
             self.experts_in[0].add(x)  # every expert sees every token: one shared Hessian
@@ -219,8 +231,8 @@ class LayerStats:
                 self.experts_in[e].add(xe)
             else:
                 xe = x
-            gate, up = F.linear(xe, experts.gate_up_proj[e]).chunk(2, dim=-1)
-            self.experts_down[e].add(F.silu(gate) * up)
+            gate, up = F.linear(xe, gate_up_proj[e]).chunk(2, dim=-1)
+            self.experts_down[e].add(activation(gate) * up)
 
     def expert_in(self, e: int) -> HessianAccumulator:
         return self.experts_in[e] if len(self.experts_in) > 1 else self.experts_in[0]
@@ -251,8 +263,21 @@ def quantize_layer(layer: torch.nn.Module, stats: LayerStats, options: QuantizeO
                    device: torch.device) -> tuple[dict, list[str]]:
     """Swap the layer's linears for quantized ones in place; returns (mean relative output error per kind,
     experts that fell back to RTN)."""
+    errors = quantize_linears(layer, layer_targets(layer), stats, options, device)
+    fallbacks = []
+    if isinstance(layer.mlp, SparseMoE):
+        layer.mlp.experts, fallbacks = quantize_experts(layer.mlp.experts, stats, options, device,
+                                                        f"layers.{index}.mlp.experts", errors)
+    summary = {kind: sum(v) / len(v) for kind, v in errors.items() if v}
+    return summary, fallbacks
+
+
+def quantize_linears(layer: torch.nn.Module, targets: list[tuple[str, str, str]], stats: LayerStats,
+                     options: QuantizeOptions, device: torch.device) -> dict[str, list[float]]:
+    """Swap each target linear of `layer` for its QuantLinear (GPTQ against its input group's Hessian, or
+    RTN); returns the relative output errors by kind."""
     errors: dict[str, list[float]] = {}
-    for name, kind, group in layer_targets(layer):
+    for name, kind, group in targets:
         lin = layer.get_submodule(name)
         H = stats.groups[group].H
         w = lin.weight.data.float()
@@ -260,45 +285,50 @@ def quantize_layer(layer: torch.nn.Module, stats: LayerStats, options: QuantizeO
         errors.setdefault(kind, []).append(float(weighted_error(w, qw.dequantize(), H)))
         parent, _, child = name.rpartition(".")
         setattr(layer.get_submodule(parent), child, quant_linear(qw, options, device))
-    fallbacks = []
-    if isinstance(layer.mlp, SparseMoE):
-        ex = layer.mlp.experts
-        E, inter, hidden = ex.gate_up_proj.shape[0], ex.gate_up_proj.shape[1] // 2, ex.gate_up_proj.shape[2]
-        starved = [e for e in range(E) if stats.expert_in(e).n < options.min_expert_samples]
-        fallbacks = [f"layers.{index}.mlp.experts.{e}" for e in starved]
-        # Hessians stacked a chunk at a time: all 256 of a routed calibration at hidden 2048 are 4 GiB,
-        # and a stack of them would be another 4 GiB on the device.
-        H_in = [h.H for h in stats.experts_in]  # one shared, or one per expert (routed calibration)
-        H_down = [h.H for h in stats.experts_down]
-        spec = options.spec
-        q = gptq_experts(E, hidden, inter, spec.groups(hidden), spec.groups(inter), options.checkpoint_format)
-        q = q.to(device)
-        weights = {"gate_proj": (ex.gate_up_proj[:, :inter], H_in), "up_proj": (ex.gate_up_proj[:, inter:], H_in),
-                   "down_proj": (ex.down_proj, H_down)}
-        chunk = options.expert_chunk
-        for part, (w_all, H_all) in weights.items():
-            # Experts in chunks: one batched GPTQ call per chunk amortises the column loop while the
-            # temporaries stay a few experts big, whatever the expert count.
-            for s in range(0, E, chunk):
-                ids = list(range(s, min(s + chunk, E)))
-                w = w_all[s : s + len(ids)].detach().float()
-                H = H_all[0][None] if len(H_all) == 1 else torch.stack(H_all[s : s + len(ids)])  # shared: a view
-                qw = quantize_weight(w, H, options)
-                weak = [j for j, e in enumerate(ids) if e in starved]
-                if weak:  # too few calibration samples for a Hessian worth trusting
-                    rtn = quantize_rtn(w[weak], spec)
-                    for name in ("q", "scales", "zeros", "g_idx"):
-                        getattr(qw, name)[weak] = getattr(rtn, name).to(getattr(qw, name).dtype)
-                err = weighted_error(w, qw.dequantize(), H)
-                errors.setdefault("experts", []).extend(
-                    float(err[j]) for j, e in enumerate(ids) if stats.expert_in(e).n and e not in starved
-                )
-                for j, e in enumerate(ids):
-                    for k, v in qw[j].pack(options.checkpoint_format).items():
-                        getattr(getattr(q, part), k)[e].copy_(v)
-        layer.mlp.experts = q
-    summary = {kind: sum(v) / len(v) for kind, v in errors.items() if v}
-    return summary, fallbacks
+    return errors
+
+
+def quantize_experts(ex: torch.nn.Module, stats: LayerStats, options: QuantizeOptions, device: torch.device,
+                     name: str, errors: dict[str, list[float]], activation: str = "silu"
+                     ) -> tuple[QuantExperts, list[str]]:
+    """The QuantExperts of fused float experts `ex` (gate_up_proj [E, 2I, H], down_proj [E, H, I]) named
+    `name`, from the statistics' Hessians (experts with fewer than min_expert_samples routed tokens on RTN);
+    appends their errors under "experts" and returns the experts that fell back."""
+    E, inter, hidden = ex.gate_up_proj.shape[0], ex.gate_up_proj.shape[1] // 2, ex.gate_up_proj.shape[2]
+    starved = [e for e in range(E) if stats.expert_in(e).n < options.min_expert_samples]
+    fallbacks = [f"{name}.{e}" for e in starved]
+    # Hessians stacked a chunk at a time: all 256 of a routed calibration at hidden 2048 are 4 GiB,
+    # and a stack of them would be another 4 GiB on the device.
+    H_in = [h.H for h in stats.experts_in]  # one shared, or one per expert (routed calibration)
+    H_down = [h.H for h in stats.experts_down]
+    spec = options.spec
+    q = gptq_experts(E, hidden, inter, spec.groups(hidden), spec.groups(inter), options.checkpoint_format,
+                     activation)
+    q = q.to(device)
+    weights = {"gate_proj": (ex.gate_up_proj[:, :inter], H_in), "up_proj": (ex.gate_up_proj[:, inter:], H_in),
+               "down_proj": (ex.down_proj, H_down)}
+    chunk = options.expert_chunk
+    for part, (w_all, H_all) in weights.items():
+        # Experts in chunks: one batched GPTQ call per chunk amortises the column loop while the
+        # temporaries stay a few experts big, whatever the expert count.
+        for s in range(0, E, chunk):
+            ids = list(range(s, min(s + chunk, E)))
+            w = w_all[s : s + len(ids)].detach().float()
+            H = H_all[0][None] if len(H_all) == 1 else torch.stack(H_all[s : s + len(ids)])  # shared: a view
+            qw = quantize_weight(w, H, options)
+            weak = [j for j, e in enumerate(ids) if e in starved]
+            if weak:  # too few calibration samples for a Hessian worth trusting
+                rtn = quantize_rtn(w[weak], spec)
+                for t in ("q", "scales", "zeros", "g_idx"):
+                    getattr(qw, t)[weak] = getattr(rtn, t).to(getattr(qw, t).dtype)
+            err = weighted_error(w, qw.dequantize(), H)
+            errors.setdefault("experts", []).extend(
+                float(err[j]) for j, e in enumerate(ids) if stats.expert_in(e).n and e not in starved
+            )
+            for j, e in enumerate(ids):
+                for k, v in qw[j].pack(options.checkpoint_format).items():
+                    getattr(getattr(q, part), k)[e].copy_(v)
+    return q, fallbacks
 
 
 def quantize_layer_nf4(layer: torch.nn.Module, options: QuantizeOptions, device: torch.device) -> None:
@@ -326,6 +356,19 @@ def quantize_layer_nf4(layer: torch.nn.Module, options: QuantizeOptions, device:
 
 
 # ---- the pipeline ---------------------------------------------------------------------------------
+def save_layer(partial: Path, i: int, n_shards: int, tensors: dict[str, torch.Tensor], acts, acts_file: Path,
+               state: dict, state_file: Path, entry: dict) -> None:
+    """Layer i made durable: its shard, the activations the next layer starts from (None: none kept), then the
+    state that records it, each written atomically, in that order: a crash between them redoes layer i."""
+    _atomic_save_file(tensors, partial / f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors")
+    if acts is not None:
+        torch.save(acts, acts_file.with_name("activations.pt.tmp"))
+        os.replace(acts_file.with_name("activations.pt.tmp"), acts_file)
+    state["layers"].append(entry)
+    state["next_layer"] = i + 1
+    write_text_atomic(state_file, json.dumps(state))
+
+
 def _atomic_save_file(tensors: dict, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -337,14 +380,20 @@ def _check_finite(t: torch.Tensor, what: str) -> None:
         raise QuantizationError(f"{what} contains NaN or Inf values; the source checkpoint or calibration is broken")
 
 
-def calibration_batch(src: Path, config: ModelConfig, options: QuantizeOptions, block_size: int) -> torch.Tensor:
+def calibration_stream(src: Path, eos_token_ids, options: QuantizeOptions) -> tuple[Tokenizer, torch.Tensor]:
+    """The model's tokenizer and the calibration text as one token stream (documents joined by the first EOS
+    id of the config, else of the tokenizer)."""
     if not any((src / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
         raise QuantizationError(f"{src}: no tokenizer files; calibration needs the model's tokenizer")
     tokenizer = Tokenizer.from_dir(src)
     texts = read_calibration_file(options.calib) if options.calib else stdlib_texts(seed=options.seed)
-    eos = (list(config.eos_token_ids) + tokenizer.eos_token_ids + [None])[0]
+    eos = (list(eos_token_ids) + tokenizer.eos_token_ids + [None])[0]
     # Four windows' worth of text per sample keeps the windows varied without tokenizing megabytes.
-    stream = token_stream(tokenizer, texts, eos, max_tokens=4 * options.nsamples * options.seqlen)
+    return tokenizer, token_stream(tokenizer, texts, eos, max_tokens=4 * options.nsamples * options.seqlen)
+
+
+def calibration_batch(src: Path, config: ModelConfig, options: QuantizeOptions, block_size: int) -> torch.Tensor:
+    tokenizer, stream = calibration_stream(src, config.eos_token_ids, options)
     mask = config.mask_token_id if config.mask_token_id is not None else tokenizer.mask_token_id
     return calibration_ids(stream, options.nsamples, options.seqlen, options.seed, options.calibration,
                            block_size, mask)
@@ -362,6 +411,12 @@ def _run_layer(layer, acts: torch.Tensor, model: Denoiser, cos, sin, mask, batch
 
 PARTIAL_MARKER = ".clover-lite-partial"  # in `.OUT.partial`: what says it is ours to resume or remove
 
+# A family's layer walk, as its preparation gives it: run(out, options, t0, partial, state, on_layer).
+Run = Callable[[Path, QuantizeOptions, float, Path, "dict | None", "Callable[[int, int, dict], None] | None"],
+               QuantizeReport]
+# Its preparation: prepare(src, options) -> (options with the group size chosen, bytes needed, run).
+Prepare = Callable[[Path, QuantizeOptions], tuple[QuantizeOptions, int, Run]]
+
 
 def quantize_model(
     src: str | os.PathLike,
@@ -371,12 +426,15 @@ def quantize_model(
     resume: bool = False,
     on_layer: Callable[[int, int, dict], None] | None = None,
     restart: bool = False,
+    prepare: Prepare | None = None,
 ) -> QuantizeReport:
     """Quantize the checkpoint at `src` into `out` (see the module docstring).
 
     An unfinished run of the same command (its `.OUT.partial`) is continued with `resume`, or discarded
     with `restart`; with neither it is refused, so finished layers are never thrown away silently.
-    `force` replaces an earlier output of ours at `out`, and nothing else (checkpoint/output.py)."""
+    `force` replaces an earlier output of ours at `out`, and nothing else (checkpoint/output.py).
+    `prepare` checks the source and gives the layer walk of another family (a DiffusionGemma source:
+    quant/diffusion_gemma.quantize_diffusion_gemma passes its own); default: the block denoisers'."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     if options.method not in METHODS:
@@ -387,19 +445,12 @@ def quantize_model(
         raise QuantizationError("--resume continues the unfinished run and --restart discards it: pass one")
     # Before anything is read or written: OUT must not hold someone else's files nor touch the source.
     check_output(out, sources=[src], force=force)
-    config = load_config(src)
-    ckpt = Checkpoint(src)
-    if ckpt.quant_config is not None:
-        raise QuantizationError(f"{src} is already quantized; quantize from the 16-bit checkpoint")
-    device = torch.device(options.device)
-    model = build_model(config, device, torch.float32, materialize=False)  # all on meta: nothing allocated
-    plans, _, _ = plan_checkpoint(model, ckpt)  # validates the whole checkpoint from its headers
-    options = check_shapes(model, options)
-
-    # About the packed layers plus the 16-bit rest, and the activations kept for --resume.
-    src_bytes = sum(f.stat().st_size for f in ckpt.files)
-    acts_bytes = 0 if options.method == "nf4" else 4 * options.nsamples * options.seqlen * config.hidden_size
-    check_output(out, sources=[src], force=force, needed_bytes=src_bytes // 3 + acts_bytes)
+    if prepare is None and is_diffusion_gemma_dir(src):
+        raise QuantizationError(f"{src}: a DiffusionGemma checkpoint has its own layer walk: quantize it with "
+                                "clover_lite.quant.diffusion_gemma.quantize_diffusion_gemma (what `clover quantize` "
+                                "runs for it)")
+    options, needed, run = (prepare or _prepare)(src, options)
+    check_output(out, sources=[src], force=force, needed_bytes=needed)
     partial = out.parent / f".{out.name}.partial"
     # Ours: an unfinished run, or the old output a replacement swapped out just before a crash.
     ours = (partial / PARTIAL_MARKER).exists() or owned_files(partial) is not None
@@ -419,7 +470,7 @@ def quantize_model(
             raise QuantizationError(f"cannot write {out}: {e.strerror or e} in {out.parent}; choose a "
                                     "directory you can write to") from e
     try:
-        return _quantize_into(src, out, options, t0, config, ckpt, model, plans, partial, state, on_layer)
+        return run(out, options, t0, partial, state, on_layer)
     except OutputError as e:  # a write failed (a full disk): the finished layers stay for --resume
         raise QuantizationError(f"{e}; the finished layers are kept in {partial}: fix that and rerun with "
                                 "--resume") from e
@@ -430,6 +481,40 @@ def quantize_model(
     except OSError as e:  # a full disk, a vanished directory: the finished layers stay for --resume
         raise QuantizationError(f"writing {out} failed: {e.strerror or e} ({e.filename or partial}); the "
                                 f"finished layers are kept in {partial}: fix that and rerun with --resume") from e
+
+
+
+
+def is_diffusion_gemma_dir(src: Path) -> bool:
+    """Whether src's config.json names DiffusionGemma (an unreadable one is left to load_config to report)."""
+    from clover_lite.models.diffusion_gemma_config import is_diffusion_gemma
+
+    try:
+        raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and is_diffusion_gemma(raw)
+
+
+def _prepare(src: Path, options: QuantizeOptions) -> tuple[QuantizeOptions, int, Run]:
+    """A block denoiser's checkpoint checked from its headers: (options with the group size chosen, bytes
+    the output and the kept activations need, the run)."""
+    config = load_config(src)
+    ckpt = Checkpoint(src)
+    if ckpt.quant_config is not None:
+        raise QuantizationError(f"{src} is already quantized; quantize from the 16-bit checkpoint")
+    device = torch.device(options.device)
+    model = build_model(config, device, torch.float32, materialize=False)  # all on meta: nothing allocated
+    plans, _, _ = plan_checkpoint(model, ckpt)  # validates the whole checkpoint from its headers
+    options = check_shapes(model, options)
+    # About the packed layers plus the 16-bit rest, and the activations kept for --resume.
+    src_bytes = sum(f.stat().st_size for f in ckpt.files)
+    acts_bytes = 0 if options.method == "nf4" else 4 * options.nsamples * options.seqlen * config.hidden_size
+
+    def run(out, opts, t0, partial, state, on_layer):
+        return _quantize_into(src, out, opts, t0, config, ckpt, model, plans, partial, state, on_layer)
+
+    return options, src_bytes // 3 + acts_bytes, run
 
 
 def source_files(src: Path) -> str:
@@ -522,16 +607,10 @@ def _quantize_into(src: Path, out: Path, options: QuantizeOptions, t0: float, co
             acts = _run_layer(layer, acts, model, cos, sin, mask, options.batch_size)
             _check_finite(acts, f"the output of layer {i} on the calibration data")
         tensors = dict(checkpoint_tensors(layer, dtype=src_dtype, prefix=prefix))
-        _atomic_save_file(tensors, partial / f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors")
-        model.layers[i] = torch.nn.Identity()  # free it
-        if acts is not None:
-            torch.save(acts, acts_file.with_name("activations.pt.tmp"))
-            os.replace(acts_file.with_name("activations.pt.tmp"), acts_file)
         entry = {"layer": i, "kind": "attention" if layer.kind == "full_attention" else "gdn",
                  "errors": summary, "fallback_experts": layer_fallbacks}
-        state["layers"].append(entry)
-        state["next_layer"] = i + 1
-        write_text_atomic(state_file, json.dumps(state))
+        model.layers[i] = torch.nn.Identity()  # free it
+        save_layer(partial, i, n_shards, tensors, acts, acts_file, state, state_file, entry)
         fallbacks += layer_fallbacks
         if on_layer:
             on_layer(i, n_layers, {**entry, "seconds": time.perf_counter() - lt})
@@ -617,8 +696,11 @@ def _quant_config(options: QuantizeOptions) -> dict:
     }
 
 
-def _write_metadata(partial: Path, src: Path, config: ModelConfig, options: QuantizeOptions, layers: list[dict],
-                    error_by_kind: dict, fallbacks: list[str], block: int, n_shards: int) -> None:
+def _write_metadata(partial: Path, src: Path, config: ModelConfig | None, options: QuantizeOptions,
+                    layers: list[dict], error_by_kind: dict, fallbacks: list[str], block: int | None, n_shards: int,
+                    extra: dict | None = None) -> None:
+    """The index, quantize_config.json (the standard keys and ours under "clover": `extra` added, no
+    block_size when `block` is None), config.json with its quantization_config, and the tokenizer files."""
     weight_map, total = {}, 0
     for i in range(1, n_shards + 1):
         fname = f"model-{i:05d}-of-{n_shards:05d}.safetensors"
@@ -641,7 +723,10 @@ def _write_metadata(partial: Path, src: Path, config: ModelConfig, options: Quan
         "relative_output_error": error_by_kind,
         "layers": layers,
         "rtn_fallback_experts": fallbacks,
+        **(extra or {}),
     }
+    if block is None:
+        del clover["block_size"]
     write_text_atomic(partial / "quantize_config.json", json.dumps({**quant, "clover": clover}, indent=2))
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = quant

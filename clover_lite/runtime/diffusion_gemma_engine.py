@@ -68,10 +68,11 @@ class DiffusionGemmaEngine:
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None) -> DiffusionGemmaEngine:
+             dtype: str | torch.dtype | None = None, kernels: str | None = None) -> DiffusionGemmaEngine:
+        """16-bit or GPTQ INT4 weights; `kernels` (auto|torch|triton) as for the block denoisers."""
         path = Path(path)
         dev = resolve_device(device)
-        model, report = load_diffusion_gemma(path, dev, resolve_dtype(dtype, dev))
+        model, report = load_diffusion_gemma(path, dev, resolve_dtype(dtype, dev), kernels=kernels)
         has_tokenizer = (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()
         tokenizer = Tokenizer.from_dir(path) if has_tokenizer else None
         settings = settings_from_generation_config(path, eos_fallback=model.config.eos_token_ids)

@@ -309,8 +309,9 @@ def load(
 ) -> Engine | DiffusionGemmaEngine:
     """Load a model directory (Hugging Face layout: config.json, safetensors, tokenizer files).
 
-    A DiffusionGemma checkpoint (model_type `diffusion_gemma`) gives a DiffusionGemmaEngine
-    (runtime/diffusion_gemma_engine.py: `generate` and `stream` with its own settings), on the PyTorch path.
+    A DiffusionGemma checkpoint (model_type `diffusion_gemma`, 16-bit or GPTQ INT4) gives a DiffusionGemmaEngine
+    (runtime/diffusion_gemma_engine.py: `generate` and `stream` with its own settings); `device`, `dtype`,
+    `kernels` and `check_memory` apply to it, the block cache's options (`context`, `static_step`) do not.
 
     `path` None loads the bundled default model. `device` "auto" picks CUDA when present; `dtype` None
     means fp32 on CPU and bf16 on a GPU. `check_memory` plans the model's memory first (clover_lite.plan) and
@@ -328,8 +329,8 @@ def load(
     if not model_path.is_dir():
         raise CloverError(f"{model_path}: expected a model directory (config.json, *.safetensors, tokenizer)")
     if _is_diffusion_gemma(model_path):
-        return _load_diffusion_gemma(model_path, device, dtype, mask_token_id=mask_token_id, context=context,
-                                     kernels=kernels, static_step=static_step)
+        return _load_diffusion_gemma(model_path, device, dtype, kernels, check_memory, mask_token_id=mask_token_id,
+                                     context=context, static_step=static_step)
     config = load_config(model_path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -370,12 +371,19 @@ def _is_diffusion_gemma(path: Path) -> bool:
     return isinstance(raw, dict) and is_diffusion_gemma(raw)
 
 
-def _load_diffusion_gemma(path: Path, device, dtype, **engine_options) -> DiffusionGemmaEngine:
+def _load_diffusion_gemma(path: Path, device, dtype, kernels: str | None, check_memory: bool,
+                          **engine_options) -> DiffusionGemmaEngine:
+    from clover_lite.models.diffusion_gemma_config import load_diffusion_gemma_config
     from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaEngine
 
     given = sorted(k for k, v in engine_options.items() if v is not None)
     if given:
-        raise CloverError(f"{path}: DiffusionGemma runs on the PyTorch path with its own settings; "
-                          f"{', '.join(given)} does not apply to it (leave it out)")
-    return DiffusionGemmaEngine.load(path, device, dtype)
+        raise CloverError(f"{path}: DiffusionGemma runs with its own settings (canvases, no block cache or CUDA "
+                          f"graph); {', '.join(given)} does not apply to it (leave it out)")
+    if check_memory:  # its plan (planning/diffusion_gemma.py), checked as for the block denoisers
+        from clover_lite.planning.planner import check_load
+
+        dev = resolve_device(device)
+        check_load(path, load_diffusion_gemma_config(path), dev, resolve_dtype(dtype, dev))
+    return DiffusionGemmaEngine.load(path, device, dtype, kernels=kernels)
 

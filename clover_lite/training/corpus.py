@@ -110,7 +110,7 @@ class MixedBatches:
     before `extend_from`, keep only the reply maskable (the first 857 steps of the bundled run did that).
 
     `task_weights` (task -> integer weight) changes how often each task is drawn from step `reweight_from`
-    on; before that, and when None, every task is equally likely.
+    on; before that, and when None, every base task (`tasks.BASE_TASKS`) is equally likely.
     """
 
     def __init__(
@@ -134,10 +134,11 @@ class MixedBatches:
         if unknown := set(task_weights or {}) - set(known):
             raise ValueError(f"unknown task(s) {sorted(unknown)} in task weights; tasks are {known}")
         # A task repeated w times in the tuple is drawn w times as often by sample_train's rng.choice.
-        self.weighted = tuple(t for t, w in (task_weights or {}).items() for _ in range(w)) or tasks.TASKS
+        self.weighted = tuple(t for t, w in (task_weights or {}).items() for _ in range(w)) or tasks.BASE_TASKS
         self.reweight_from = reweight_from
 
-    def task_window(self, rng: random.Random, mix: tuple[str, ...] = tasks.TASKS) -> tuple[list[int], list[bool]]:
+    def task_window(self, rng: random.Random,
+                    mix: tuple[str, ...] = tasks.BASE_TASKS) -> tuple[list[int], list[bool]]:
         ids: list[int] = []
         maskable: list[bool] = []
         while len(ids) < self.length:
@@ -150,7 +151,7 @@ class MixedBatches:
         """(windows [batch, length], maskable [batch, length]): task rows first, then text rows."""
         rng = random.Random(self.seed * 1_000_003 + step)
         rows, maskable = [], []
-        mix = self.weighted if step >= self.reweight_from else tasks.TASKS
+        mix = self.weighted if step >= self.reweight_from else tasks.BASE_TASKS
         for _ in range(self.task_windows):
             ids, m = self.task_window(rng, mix)
             rows.append(ids)

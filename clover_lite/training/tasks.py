@@ -6,6 +6,8 @@ The bundled model is trained on them and `benchmarks/quality.py` measures it on 
 - reverse: "reverse: c a b l e"                 -> "e l b a c" (3-7 random letters, spelled out)
 - rules:   "facts: A. rules: B if A. ... question: is X P?" -> "B if A. A is given. yes" (backward chaining
            from the question shown, then yes / no)
+- interlocked: "facts: ... rules: ... questions: is X P? is Y Q?" -> a `rules` reply per question, one per
+           line: several questions over one rule set answered in one reply (the chains often share links)
 
 Two training-only drills (`TRAIN_ONLY`, drawn only when weighted in, never evaluated) isolate the two lookups a
 rules step needs: `recall` (an atom's other word) and `cite` (the premise of the rule that concludes an atom).
@@ -23,7 +25,11 @@ from functools import cache
 
 from clover_lite.tokenizer.byte_tokenizer import DEFAULT_CHAT_TEMPLATE
 
-TASKS = ("sort", "add", "reverse", "rules")
+TASKS = ("sort", "add", "reverse", "rules", "interlocked")
+# What training draws when no weights are given, and what an unnamed task weighs 1 against: the four tasks of
+# the bundled model's phases 1-9, so their commands draw the same data as when they ran (`interlocked` came
+# with phase 10 and is drawn only when weighted in).
+BASE_TASKS = ("sort", "add", "reverse", "rules")
 
 CHAT_TEMPLATE = DEFAULT_CHAT_TEMPLATE  # ChatML, as the tiny test checkpoints use
 
@@ -116,6 +122,41 @@ def _rules(rng: random.Random) -> tuple[str, str]:
     return text, " ".join(work)
 
 
+def _worked(atom: str, facts: list[str], premise: dict[str, str]) -> str:
+    """The `rules` reply for `atom` ("Ann is red"): the rules followed back from it, then given/unknown, yes/no."""
+    work = []
+    while atom in premise:
+        work.append(f"{atom} if {premise[atom]}.")
+        atom = premise[atom]
+    given = atom in facts
+    work.append(f"{atom} is {'given' if given else 'unknown'}. {'yes' if given else 'no'}")
+    return " ".join(work)
+
+
+def _interlocked(rng: random.Random) -> tuple[str, str]:
+    """Two or three questions over one `rules` rule set, answered in one reply, a worked `rules` line per
+    question in the order asked ("... questions: is Eve shy? is Hal kind?" -> "Eve is shy if Hal is kind. Hal is
+    kind is given. yes\nHal is kind is given. yes"). The questions are any of the set's atoms, so they often sit
+    on the same chain. Never a held-out `rules` context, so benchmarks/decide.py's sets stay unseen. (The draw
+    order fixes the bundled model's phase-10 data.)"""
+    prompt, context = _unseen_rules(rng)
+    facts, premise, _ = parse_rules(prompt)
+    atoms = sorted({*facts, *premise, *premise.values()})
+    asked = rng.sample(atoms, rng.randint(2, 3))
+    questions = " ".join(f"is {a.replace(' is ', ' ')}?" for a in asked)
+    return f"{context} questions: {questions}", "\n".join(_worked(a, facts, premise) for a in asked)
+
+
+def interlocked_prompt(context: str, atoms: list[str]) -> str:
+    """The `interlocked` prompt asking about `atoms` ("Ann is red") over a `rules` context (facts and rules)."""
+    return f"{context} questions: " + " ".join(f"is {a.replace(' is ', ' ')}?" for a in atoms)
+
+
+def final_answers(reply: str) -> list[str]:
+    """The last word of each non-empty line of a reply: an `interlocked` reply's yes/no per question."""
+    return [line.split()[-1] for line in reply.strip().split("\n") if line.split()]
+
+
 def _recall(rng: random.Random) -> tuple[str, str]:
     """Training only: the content lookup every `rules` step needs, alone and with one word of answer
     ("recall: Ann is red. Bob is big. what is Bob?" -> "it is big"; "who is big?" -> "it is Bob"; the
@@ -158,11 +199,7 @@ def _decide(rng: random.Random) -> tuple[str, str]:
     `rules` context, so benchmarks/decide.py's sets stay unseen."""
     from clover_lite.runtime.decide import decision_messages, decision_reply
 
-    while True:
-        prompt, _ = _rules(rng)
-        context = prompt.split(" question: ")[0]
-        if context not in _heldout_rules_contexts():
-            break
+    prompt, context = _unseen_rules(rng)
     facts, premise, _ = parse_rules(prompt)
     atoms = sorted({*facts, *premise, *premise.values()})
     asked = rng.sample(atoms, 3)
@@ -178,6 +215,16 @@ def _decide(rng: random.Random) -> tuple[str, str]:
     return user, decision_reply(questions, answers)
 
 
+def _unseen_rules(rng: random.Random) -> tuple[str, str]:
+    """A `rules` prompt whose context (facts and rules) is not one of the held-out questions' contexts, and that
+    context: what the multi-question tasks ask about, so benchmarks/decide.py's held-out sets stay unseen."""
+    while True:
+        prompt, _ = _rules(rng)
+        context = prompt.split(" question: ")[0]
+        if context not in _heldout_rules_contexts():
+            return prompt, context
+
+
 @cache
 def _heldout_rules_contexts() -> frozenset[str]:
     return frozenset(ex.prompt.split(" question: ")[0] for ex in heldout("rules"))
@@ -185,7 +232,7 @@ def _heldout_rules_contexts() -> frozenset[str]:
 
 GENERATORS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "sort": _sort, "add": _add, "reverse": _reverse, "rules": _rules, "recall": _recall, "cite": _cite,
-    "decide": _decide,
+    "decide": _decide, "interlocked": _interlocked,
 }
 TRAIN_ONLY = ("recall", "cite", "decide")  # drawn in training when weighted in, never evaluated
 
@@ -222,10 +269,13 @@ def rule_steps(ex: Example) -> int:
 
 
 def is_correct(ex: Example, reply: str) -> bool:
-    """Exact match of the answer; for `rules` the final yes/no (the derivation before it is not scored)."""
+    """Exact match of the answer; for `rules` the final yes/no, for `interlocked` every line's (the derivations
+    before them are not scored)."""
     if ex.task == "rules":
         words = reply.split()
         return bool(words) and words[-1] == ex.answer.split()[-1]
+    if ex.task == "interlocked":
+        return final_answers(reply) == final_answers(ex.answer)
     return reply.strip() == ex.answer
 
 
@@ -246,7 +296,7 @@ def _heldout_prompts() -> frozenset[str]:
     return frozenset(ex.prompt for t in TASKS for ex in heldout(t))
 
 
-def sample_train(rng: random.Random, tasks: tuple[str, ...] = TASKS) -> Example:
+def sample_train(rng: random.Random, tasks: tuple[str, ...] = BASE_TASKS) -> Example:
     """A training instance of a random task; never one of the held-out prompts."""
     task = rng.choice(tasks)
     while True:
