@@ -141,6 +141,34 @@ def test_chunked_prefill_matches_transformers(tmp_path, monkeypatch):
         close(ours.denoise(canvas, prefix), hf(decoder_input_ids=canvas, cache=cache).logits, "decoder logits")
 
 
+@pytest.mark.parametrize("window", [8, 300])
+def test_prompt_chunks_follow_the_window_and_equal_one_pass_in_float64(tmp_path, window):
+    """A prompt is encoded in chunks of the sliding window (256 at least, PREFILL_CHUNK at most): in float64
+    the hidden states and every layer's cached keys and values equal one pass over the whole prompt."""
+    from clover_lite.models.diffusion_gemma import PREFILL_CHUNK, encode_chunk
+
+    path = write_tiny_diffusion_gemma(tmp_path / "m", seed=window, sliding_window=window, num_hidden_layers=2,
+                                      layer_types=["sliding_attention", "full_attention"],
+                                      max_position_embeddings=2048)
+    model, _ = load_diffusion_gemma(path, dtype=torch.float64)
+    chunk = encode_chunk(model)
+    assert chunk == min(PREFILL_CHUNK, max(256, window))
+    ids = torch.randint(0, 80, (1, 2 * chunk + 37))  # two whole chunks and a ragged one
+    calls = []
+    real = model._encode_chunk
+    model._encode_chunk = lambda part, cache: calls.append(part.shape[1]) or real(part, cache)
+    chunked, whole = model.new_cache(), model.new_cache()
+    with torch.no_grad():
+        h = model.encode(ids, chunked)
+        ref = real(ids, whole)
+    assert calls == [chunk, chunk, 37]
+    torch.testing.assert_close(h, ref, rtol=0, atol=1e-12)
+    for i in range(2):
+        torch.testing.assert_close(chunked.keys[i], whole.keys[i], rtol=0, atol=1e-12)
+        torch.testing.assert_close(chunked.values[i], whole.values[i], rtol=0, atol=1e-12)
+    assert chunked.length == whole.length == ids.shape[1]
+
+
 def test_nonfinite_logits_stop_generation(tmp_path):
     from clover_lite.errors import NonFiniteError
 
