@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         # our first canvas mark includes the prompt's encode; the per-canvas time is the mean over canvases
         canvas_s = [b - a for a, b in zip([t0, *marks[:-1]], marks, strict=True)]
         same = tokens == hf_tokens
-        chunked = n > encode_chunk(ours)
+        chunked = n > encode_chunk(ours.config)
         gap = encoder_gap(ours, hf, prompt) if chunked else None
         ok &= (gap < 1e-4) if chunked else same
         row = dict(prompt_tokens=n, new_tokens=len(tokens), ours_s=t_ours, hf_s=t_hf,

@@ -151,7 +151,7 @@ def test_prompt_chunks_follow_the_window_and_equal_one_pass_in_float64(tmp_path,
                                       layer_types=["sliding_attention", "full_attention"],
                                       max_position_embeddings=2048)
     model, _ = load_diffusion_gemma(path, dtype=torch.float64)
-    chunk = encode_chunk(model)
+    chunk = encode_chunk(model.config)
     assert chunk == min(PREFILL_CHUNK, max(256, window))
     ids = torch.randint(0, 80, (1, 2 * chunk + 37))  # two whole chunks and a ragged one
     calls = []

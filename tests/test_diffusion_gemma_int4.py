@@ -201,8 +201,8 @@ def test_auto_keeps_diffusion_gemma_on_the_reference_until_a_gpu_verifies_it(tmp
     src = write_tiny_diffusion_gemma(tmp_path / "src", seed=SEED + 5, num_hidden_layers=2, canvas_length=8,
                                      layer_types=["sliding_attention", "full_attention"], num_experts=4)
     real_select = dispatch.select
-    monkeypatch.setattr(dispatch, "select", lambda device, mode=None: "triton" if (mode or "auto") == "auto"
-                        else real_select(device, mode))
+    monkeypatch.setattr(dispatch, "select", lambda device, mode=None, verified=True: (
+        ("triton" if verified else "torch") if (mode or "auto") == "auto" else real_select(device, mode, verified)))
     monkeypatch.delenv("CLOVER_KERNELS", raising=False)
     monkeypatch.delenv("CLOVER_KERNELS_UNVERIFIED", raising=False)
     model, report = load_diffusion_gemma(src)

@@ -237,7 +237,7 @@ def load_diffusion_gemma(path: str | os.PathLike, device: torch.device | str = "
     """Build the model on the meta device (GPTQ modules swapped in), check the plan, read each tensor into
     place; then `kernels` (auto|torch|triton, default $CLOVER_KERNELS or auto) picks the implementation once
     (kernels/dispatch.py)."""
-    from clover_lite.checkpoint.load import _fill_default_g_idx, read_quant_config
+    from clover_lite.checkpoint.load import fill_default_g_idx, read_quant_config
     from clover_lite.kernels import dispatch
     from clover_lite.kernels.configs import kernel_changes
 
@@ -249,15 +249,13 @@ def load_diffusion_gemma(path: str | os.PathLike, device: torch.device | str = "
     plan, files, skipped = plan_weights(model, path, headers)
     model = model.to_empty(device=device)
     filled = copy_weights(model, plan)
-    _fill_default_g_idx(model, filled)
+    fill_default_g_idx(model, filled)
     model.eval()
-    backend = dispatch.select(device, kernels)
+    # No GPU has run DiffusionGemma on the kernels yet: `auto` keeps it on the reference until one does
+    # (docs/ARCHITECTURE.md section 7.4); kernels="triton" or CLOVER_KERNELS_UNVERIFIED=1 asks for them.
+    backend = dispatch.select(device, kernels, verified=kernel_changes().diffusion_gemma)
     notes = []
-    if backend == "triton" and (kernels or os.environ.get("CLOVER_KERNELS", "auto")).lower() == "auto" \
-            and not kernel_changes().diffusion_gemma:
-        # No GPU has run DiffusionGemma on the kernels yet: `auto` keeps it on the reference until one does
-        # (docs/ARCHITECTURE.md section 7.4); kernels="triton" or CLOVER_KERNELS_UNVERIFIED=1 asks for them.
-        backend = "torch"
+    if backend != dispatch.select(device, kernels):
         notes.append("PyTorch reference path: DiffusionGemma on the Triton kernels is not yet verified on a GPU "
                      "(CLOVER_KERNELS_UNVERIFIED=1 or kernels='triton' to use them)")
     dispatch.apply(model, backend)

@@ -157,7 +157,7 @@ def install_quantized_modules(model: Denoiser, canon: dict[str, TensorInfo], qc:
         model.get_submodule(mlp_path).experts = experts.to(device="meta")
 
 
-def _fill_default_g_idx(model: Denoiser, filled: set) -> None:
+def fill_default_g_idx(model: Denoiser, filled: set) -> None:
     from clover_lite.models.quantized import QuantLinear
 
     for name, module in model.named_modules():
@@ -314,7 +314,7 @@ def load_weights(
     plans, skipped, _ = plan_checkpoint(model, ckpt)
     total = copy_tensors(model, ckpt, plans, progress=progress, check_finite=check_finite)
     filled = {u for plan in plans.values() for a in plan for u in a.units}
-    _fill_default_g_idx(model, filled)
+    fill_default_g_idx(model, filled)
     notes = []
     if not check_finite:
         notes.append("the NaN/Inf scan of the weights was skipped (check_finite=False / --no-check-finite); "

@@ -252,32 +252,7 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
     table = Table(title=f"{Path(path).name}", show_header=False)
     weights = (f"{len(files)} file(s), {size / 2**20:.1f} MiB, {', '.join(dtypes)}" if files
                else "none (a named config)")
-    rows = info_rows(c, weights) if dg is not None else [
-        ("model type", c.model_type),
-        ("parameters", f"{count_label(total)} total, {count_label(active)} active per token"),
-        ("layers", f"{c.num_hidden_layers}: {layer_pattern(c.layer_types)}"),
-        ("hidden size", str(c.hidden_size)),
-        ("attention", f"{c.num_attention_heads} q heads, {c.num_key_value_heads} kv heads, head dim {c.head_dim}, "
-                      f"RoPE on {c.rotary_dim} dims (theta {c.rope_theta:g})"
-                      + (", output gate" if c.attention_output_gate else "")),
-    ]
-    if dg is None and c.gdn_layers:
-        rows.append(("Gated DeltaNet", f"{c.linear_num_key_heads} qk heads x {c.linear_key_head_dim}, "
-                                       f"{c.linear_num_value_heads} v heads x {c.linear_value_head_dim}, "
-                                       f"conv {c.linear_conv_kernel_dim}"))
-    if dg is None and "moe" in c.mlp_types:
-        shared = f" + shared expert {c.shared_expert_intermediate_size}" if c.shared_expert_intermediate_size else ""
-        rows.append(("MoE", f"{c.num_experts} experts, top-{c.num_experts_per_tok} ({c.router} router), "
-                            f"intermediate {c.moe_intermediate_size}{shared}"))
-    if dg is None and "dense" in c.mlp_types:
-        rows.append(("dense MLP", f"{c.mlp_types.count('dense')} layers, intermediate {c.intermediate_size}"))
-    if dg is None:
-        rows += [
-            ("vocabulary", f"{c.vocab_size}" + (" (tied lm_head)" if c.tie_word_embeddings else "")),
-            ("context", str(c.max_position_embeddings)),
-            ("block diffusion", f"block size {c.block_size or 'not set'}, mask token {c.mask_token_id}"),
-            ("weights", weights),
-        ]
+    rows = info_rows(c, weights) if dg is not None else denoiser_info_rows(c, total, active, weights)
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
@@ -295,6 +270,36 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
                           highlight=False, style="green" if q.fits() else "red")
             for s in q.suggestions():
                 console.print(f"  - {s}", markup=False, highlight=False)
+
+
+def denoiser_info_rows(c, total: int, active: int, weights: str) -> list[tuple[str, str]]:
+    """`clover info`'s (label, value) rows for a block denoiser; `weights` says what the checkpoint's files hold
+    (DiffusionGemma's rows: cli/info_diffusion_gemma.py)."""
+    rows = [
+        ("model type", c.model_type),
+        ("parameters", f"{count_label(total)} total, {count_label(active)} active per token"),
+        ("layers", f"{c.num_hidden_layers}: {layer_pattern(c.layer_types)}"),
+        ("hidden size", str(c.hidden_size)),
+        ("attention", f"{c.num_attention_heads} q heads, {c.num_key_value_heads} kv heads, head dim {c.head_dim}, "
+                      f"RoPE on {c.rotary_dim} dims (theta {c.rope_theta:g})"
+                      + (", output gate" if c.attention_output_gate else "")),
+    ]
+    if c.gdn_layers:
+        rows.append(("Gated DeltaNet", f"{c.linear_num_key_heads} qk heads x {c.linear_key_head_dim}, "
+                                       f"{c.linear_num_value_heads} v heads x {c.linear_value_head_dim}, "
+                                       f"conv {c.linear_conv_kernel_dim}"))
+    if "moe" in c.mlp_types:
+        shared = f" + shared expert {c.shared_expert_intermediate_size}" if c.shared_expert_intermediate_size else ""
+        rows.append(("MoE", f"{c.num_experts} experts, top-{c.num_experts_per_tok} ({c.router} router), "
+                            f"intermediate {c.moe_intermediate_size}{shared}"))
+    if "dense" in c.mlp_types:
+        rows.append(("dense MLP", f"{c.mlp_types.count('dense')} layers, intermediate {c.intermediate_size}"))
+    return rows + [
+        ("vocabulary", f"{c.vocab_size}" + (" (tied lm_head)" if c.tie_word_embeddings else "")),
+        ("context", str(c.max_position_embeddings)),
+        ("block diffusion", f"block size {c.block_size or 'not set'}, mask token {c.mask_token_id}"),
+        ("weights", weights),
+    ]
 
 
 def _plan_table(plans):

@@ -50,8 +50,9 @@ def quantize(src, out, method, group_size, asym, no_act_order, no_static_groups,
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
 
+    from clover_lite.models.diffusion_gemma_config import is_diffusion_gemma_dir
     from clover_lite.quant.diffusion_gemma import quantize_diffusion_gemma
-    from clover_lite.quant.pipeline import QuantizeOptions, is_diffusion_gemma_dir, quantize_model
+    from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
 
     options = QuantizeOptions(
         method=method, group_size=group_size, sym=not asym, act_order=not no_act_order,
@@ -115,7 +116,7 @@ def eval_cmd(model, reference, text, nsamples, seqlen, seed, device) -> None:
     from clover_lite.runtime.engine import load
 
     try:
-        from clover_lite.quant.pipeline import is_diffusion_gemma_dir
+        from clover_lite.models.diffusion_gemma_config import is_diffusion_gemma_dir
 
         for path in (model, reference):
             if path and is_diffusion_gemma_dir(Path(path)):

@@ -28,8 +28,10 @@ def triton_available() -> bool:
     return True
 
 
-def select(device: torch.device | str, mode: str | None = None) -> str:
-    """'triton' or 'torch' for tensors on `device`, honouring CLOVER_KERNELS."""
+def select(device: torch.device | str, mode: str | None = None, verified: bool = True) -> str:
+    """'triton' or 'torch' for tensors on `device`, honouring CLOVER_KERNELS. `verified` False: the model's
+    kernel path has not run on a GPU yet (kernels/configs.py), so `auto` keeps it on torch; an explicit
+    `triton` still gets the kernels."""
     mode = (mode or os.environ.get("CLOVER_KERNELS", "auto")).lower()
     if mode not in MODES:
         raise ValueError(f"CLOVER_KERNELS must be one of {MODES}, got '{mode}'")
@@ -42,7 +44,7 @@ def select(device: torch.device | str, mode: str | None = None) -> str:
         if device.type != "cuda" and not interpreting():
             raise RuntimeError("CLOVER_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (set before import)")
         return "triton"
-    return "triton" if device.type == "cuda" and triton_available() else "torch"
+    return "triton" if device.type == "cuda" and triton_available() and verified else "torch"
 
 
 def apply(model: torch.nn.Module, backend: str) -> None:

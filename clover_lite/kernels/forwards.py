@@ -49,9 +49,9 @@ from clover_lite.kernels.norm import rms_norm
 from clover_lite.models.attention import GatedAttention
 from clover_lite.models.denoiser import Denoiser
 from clover_lite.models.gdn import GatedDeltaNet
-from clover_lite.models.layers import GatedRMSNorm, RMSNorm, SwiGLU, join_rows
+from clover_lite.models.layers import ACTIVATIONS, GatedRMSNorm, RMSNorm, SwiGLU, join_rows
 from clover_lite.models.moe import Router, SparseMoE
-from clover_lite.models.quantized import ACTIVATIONS, QuantExperts, QuantLinear
+from clover_lite.models.quantized import QuantExperts, QuantLinear
 from clover_lite.quant.pack import sort_rows_by_group
 
 

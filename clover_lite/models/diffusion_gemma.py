@@ -21,7 +21,7 @@ from torch import nn
 
 from clover_lite.models.attention import attend
 from clover_lite.models.diffusion_gemma_config import DiffusionGemmaConfig, LayerShape
-from clover_lite.models.layers import RMSNorm, apply_rotary
+from clover_lite.models.layers import ACTIVATIONS, RMSNorm, apply_rotary
 from clover_lite.models.moe import Experts
 
 PREFILL_CHUNK = 2048  # the causal encoder is exact in chunks; bounds a long prompt's activations
@@ -34,7 +34,7 @@ def normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def gelu(x: torch.Tensor, config: DiffusionGemmaConfig) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh" if config.hidden_activation == "gelu_pytorch_tanh" else "none")
+    return ACTIVATIONS[config.hidden_activation](x)
 
 
 def rope_inv_freq(shape: LayerShape, device: torch.device | None = None) -> torch.Tensor:
@@ -224,10 +224,10 @@ def encoder_mask(config: DiffusionGemmaConfig, sliding: bool, start: int, n: int
     return visible
 
 
-def encode_chunk(model: DiffusionGemma) -> int:
+def encode_chunk(config: DiffusionGemmaConfig) -> int:
     """How many prompt positions `DiffusionGemma.encode` takes per pass: at most PREFILL_CHUNK and no more
-    than the sliding window (256 at least)."""
-    return min(PREFILL_CHUNK, max(256, model.config.sliding_window))
+    than the sliding window (256 at least). The planner sizes the encoder's workspace by it."""
+    return min(PREFILL_CHUNK, max(256, config.sliding_window))
 
 
 class DiffusionGemma(nn.Module):
@@ -265,7 +265,7 @@ class DiffusionGemma(nn.Module):
         Chunks no longer than the sliding window (256 at least, so a tiny window does not mean tiny chunks):
         a sliding layer's chunk then attends to its window's keys and itself, n x (window + chunk) scores
         instead of n^2 for the whole prompt at once (3x fewer at 2K tokens and a 512 window)."""
-        chunk = encode_chunk(self)
+        chunk = encode_chunk(self.config)
         starts = range(0, ids.shape[1], chunk)
         return torch.cat([self._encode_chunk(ids[:, i : i + chunk], cache) for i in starts], dim=1)
 

@@ -81,6 +81,15 @@ def is_diffusion_gemma(raw: dict[str, Any]) -> bool:
     return raw.get("model_type") in MODEL_TYPES
 
 
+def is_diffusion_gemma_dir(path: str | Path) -> bool:
+    """Whether path/config.json names DiffusionGemma (an unreadable one is left to the reader that loads it)."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and is_diffusion_gemma(raw)
+
+
 def load_diffusion_gemma_config(path: str | Path) -> DiffusionGemmaConfig:
     """Parse `path`/config.json (or a config.json path itself)."""
     file = Path(path)

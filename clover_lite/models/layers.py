@@ -10,6 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Gate activations by config name: SiLU (Qwen, SDAR, LLaDA2), GELU (DiffusionGemma's MLP and experts).
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32. Qwen3.5/Qwen3-Next store the weight zero-centred and scale by (1 + w)."""

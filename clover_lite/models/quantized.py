@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from clover_lite.models.layers import ACTIVATIONS
 from clover_lite.models.moe import add_shared_and_residual, dispatch
 from clover_lite.quant.nf4 import dequantize_nf4
 from clover_lite.quant.pack import PACK, dequantize, zero_offset
@@ -101,12 +102,6 @@ class NF4Linear(nn.Module):
         return F.linear(x, self.weight_of(dtype=x.dtype), self.bias)
 
 
-# The experts' gate activations: SiLU (Qwen, SDAR, LLaDA2) and GELU (DiffusionGemma's experts).
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-}
 
 
 class QuantExperts(nn.Module):

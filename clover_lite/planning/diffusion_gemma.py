@@ -25,6 +25,8 @@ from typing import Any
 import torch
 
 from clover_lite.errors import CloverError
+from clover_lite.kernels.configs import kernel_changes
+from clover_lite.models.diffusion_gemma import encode_chunk
 from clover_lite.models.diffusion_gemma_config import (
     DiffusionGemmaConfig,
     diffusion_gemma_config_from_dict,
@@ -284,11 +286,12 @@ def plan_diffusion_gemma(
         raise CloverError(f"context length must be >= 0, got {context_len}")
     target = _target if _target is not None else resolve_target(device)
     gpu = target.gpu if target is not None else True
-    backend = backend or _default_backend(device, gpu)
+    # What its loader picks: the reference until a GPU verifies its kernels (kernels/configs.py).
+    backend = backend or _default_backend(device, gpu, verified=kernel_changes().diffusion_gemma)
     if backend not in ("torch", "triton"):
         raise CloverError(f"backend must be 'torch' or 'triton', got '{backend}'")
     C = _canvas or config.canvas_length
-    chunk = min(prefill_chunk, max(context_len, 1))
+    chunk = min(prefill_chunk, encode_chunk(config), max(context_len, 1))  # as the encoder takes a prompt
     full, sliding = prefix_cache_bytes(config, dt, 1)
     return DiffusionGemmaPlan(
         model=_name or config.model_type, config=config, scheme=scheme, dtype=dt, context_len=context_len,

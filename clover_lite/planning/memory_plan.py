@@ -194,15 +194,16 @@ class MemoryPlan:
         }
 
 
-def _default_backend(device, gpu: bool) -> str:
-    """The kernels `load` would choose: kernels.dispatch.select for a real device, Triton for a GPU card."""
+def _default_backend(device, gpu: bool, verified: bool = True) -> str:
+    """The kernels `load` would choose: kernels.dispatch.select for a real device, Triton for a GPU card
+    (`verified`: as dispatch.select's, False where the model's kernel path has not run on a GPU yet)."""
     from clover_lite.kernels import dispatch
 
     real = isinstance(device, torch.device) or (
         isinstance(device, str) and device.lower().split(":")[0] in ("cpu", "cuda"))
     if real:
         try:
-            return dispatch.select(device)
+            return dispatch.select(device, verified=verified)
         except (RuntimeError, ValueError):
             return "torch"
-    return "triton" if gpu else "torch"
+    return "triton" if gpu and verified else "torch"

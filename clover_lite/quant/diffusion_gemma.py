@@ -45,27 +45,25 @@ from clover_lite.checkpoint.diffusion_gemma_weights import (
     tensor_names,
 )
 from clover_lite.checkpoint.load import read_quant_config
-from clover_lite.checkpoint.output import publish_directory
 from clover_lite.checkpoint.save import checkpoint_tensors
 from clover_lite.models.diffusion_gemma import DiffusionGemma, GemmaLayer, encoder_mask
 from clover_lite.models.diffusion_gemma_config import DiffusionGemmaConfig, load_diffusion_gemma_config
-from clover_lite.models.quantized import ACTIVATIONS
+from clover_lite.models.layers import ACTIVATIONS
 from clover_lite.quant.calibration import calibration_ids
 from clover_lite.quant.pipeline import (
-    PARTIAL_MARKER,
+    ACTS_FILE,
     SAFETENSORS_TO_TORCH,
+    STATE_FILE,
     LayerStats,
     QuantizationError,
     QuantizeOptions,
     QuantizeReport,
     Run,
-    _atomic_save_file,
     _check_finite,
-    _mean_errors,
     _new_state,
-    _write_metadata,
     calibration_stream,
     check_linear_shapes,
+    finish_run,
     quantize_experts,
     quantize_linears,
     quantize_model,
@@ -248,7 +246,7 @@ def _quantize_into(src: Path, out: Path, options: QuantizeOptions, t0: float, co
     n_shards = n_layers + 1
     src_dtype = SAFETENSORS_TO_TORCH.get(headers["model.decoder.embed_tokens.weight"].dtype, torch.bfloat16)
     src_names = tensor_names(model)  # before any module is swapped: the source's names and ours
-    state_file, acts_file = partial / "state.json", partial / "activations.pt"
+    state_file, acts_file = partial / STATE_FILE, partial / ACTS_FILE
     P, C = canvas_split(config, options.seqlen)
     for which in ("encoder", "decoder"):  # the per-layer scalars, read once
         setattr(model, f"{which}_layer_scalar", torch.empty(n_layers, device=device))
@@ -307,22 +305,7 @@ def _quantize_into(src: Path, out: Path, options: QuantizeOptions, t0: float, co
             continue
         with safe_open(str(info.file), framework="pt", device="cpu") as f:
             last[name] = f.get_tensor(name)
-    _atomic_save_file(last, partial / f"model-{n_shards:05d}-of-{n_shards:05d}.safetensors")
-
-    error_by_kind = _mean_errors(state["layers"], None)
     extra = {"calibration_windows": {"prompt": P, "canvas": C, "self_conditioning": options.calibration == "diffusion"},
              "tied_encoder_decoder": model.encoder is None}
-    _write_metadata(partial, src, None, options, state["layers"], error_by_kind, fallbacks, None, n_shards, extra)
-    for f in (state_file, acts_file, partial / PARTIAL_MARKER):
-        f.unlink(missing_ok=True)
-    publish_directory(partial, out, "quantized")
-    return QuantizeReport(
-        out=out,
-        seconds=time.perf_counter() - t0,
-        bytes_before=sum(f.stat().st_size for f in {i.file for i in headers.values()}),
-        bytes_after=sum(f.stat().st_size for f in out.glob("*.safetensors")),
-        error_by_kind=error_by_kind,
-        fallback_experts=fallbacks,
-        layers=state["layers"],
-        group_size=options.group_size,
-    )
+    return finish_run(partial, out, src, None, options, state, fallbacks, None, n_shards, last, None,
+                      sum(f.stat().st_size for f in {i.file for i in headers.values()}), t0, extra)

@@ -42,6 +42,7 @@ from clover_lite.checkpoint.save import checkpoint_tensors
 from clover_lite.errors import CloverError
 from clover_lite.models.config import ModelConfig, load_config
 from clover_lite.models.denoiser import Denoiser, block_causal_mask
+from clover_lite.models.diffusion_gemma_config import is_diffusion_gemma_dir
 from clover_lite.models.moe import SparseMoE
 from clover_lite.models.quantized import NF4Linear, QuantExperts, QuantLinear, gptq_experts, nf4_experts
 from clover_lite.quant.calibration import calibration_ids, read_calibration_file, stdlib_texts, token_stream
@@ -410,6 +411,7 @@ def _run_layer(layer, acts: torch.Tensor, model: Denoiser, cos, sin, mask, batch
 
 
 PARTIAL_MARKER = ".clover-lite-partial"  # in `.OUT.partial`: what says it is ours to resume or remove
+STATE_FILE, ACTS_FILE = "state.json", "activations.pt"  # there too: the finished layers, the next one's input
 
 # A family's layer walk, as its preparation gives it: run(out, options, t0, partial, state, on_layer).
 Run = Callable[[Path, QuantizeOptions, float, Path, "dict | None", "Callable[[int, int, dict], None] | None"],
@@ -483,19 +485,6 @@ def quantize_model(
                                 f"finished layers are kept in {partial}: fix that and rerun with --resume") from e
 
 
-
-
-def is_diffusion_gemma_dir(src: Path) -> bool:
-    """Whether src's config.json names DiffusionGemma (an unreadable one is left to load_config to report)."""
-    from clover_lite.models.diffusion_gemma_config import is_diffusion_gemma
-
-    try:
-        raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(raw, dict) and is_diffusion_gemma(raw)
-
-
 def _prepare(src: Path, options: QuantizeOptions) -> tuple[QuantizeOptions, int, Run]:
     """A block denoiser's checkpoint checked from its headers: (options with the group size chosen, bytes
     the output and the kept activations need, the run)."""
@@ -532,7 +521,7 @@ def _new_state(src: Path, options: QuantizeOptions) -> dict:
 def unfinished_run(partial: Path, src: Path, options: QuantizeOptions, resume: bool, restart: bool) -> dict | None:
     """The state of the unfinished run to continue, or None to start afresh; raise when continuing or
     discarding it is the user's choice to make."""
-    state_file = partial / "state.json"
+    state_file = partial / STATE_FILE
     if not partial.exists() or restart:
         return None
     try:
@@ -566,7 +555,7 @@ def _quantize_into(src: Path, out: Path, options: QuantizeOptions, t0: float, co
     n_shards = n_layers + 1
     embed = {model_name(n, config): info for n, info in ckpt.canonical().items()}["embed_tokens.weight"]
     src_dtype = SAFETENSORS_TO_TORCH.get(embed.dtype, torch.bfloat16)
-    state_file, acts_file = partial / "state.json", partial / "activations.pt"
+    state_file, acts_file = partial / STATE_FILE, partial / ACTS_FILE
 
     L = options.seqlen
     cos, sin = model.rotary(torch.arange(L, device=device))
@@ -633,17 +622,26 @@ def _quantize_into(src: Path, out: Path, options: QuantizeOptions, t0: float, co
                                                                               options.nf4_blocksize)
     elif options.quantize_lm_head:
         lm_head_error = _quantize_lm_head(model, ckpt, plans, acts, last, options, device, config)
-    _atomic_save_file(last, partial / f"model-{n_shards:05d}-of-{n_shards:05d}.safetensors")
+    return finish_run(partial, out, src, config, options, state, fallbacks, block, n_shards, last, lm_head_error,
+                      sum(f.stat().st_size for f in ckpt.files), t0)
 
+
+def finish_run(partial: Path, out: Path, src: Path, config: ModelConfig | None, options: QuantizeOptions,
+               state: dict, fallbacks: list[str], block: int | None, n_shards: int, last: dict[str, torch.Tensor],
+               lm_head_error: float | None, bytes_before: int, t0: float, extra: dict | None = None
+               ) -> QuantizeReport:
+    """After the last layer: the last shard (`last`: what no layer shard holds), the metadata, the run's own
+    files removed, the directory published in place of OUT; the report."""
+    _atomic_save_file(last, partial / f"model-{n_shards:05d}-of-{n_shards:05d}.safetensors")
     error_by_kind = _mean_errors(state["layers"], lm_head_error)
-    _write_metadata(partial, src, config, options, state["layers"], error_by_kind, fallbacks, block, n_shards)
-    for f in (state_file, acts_file, partial / PARTIAL_MARKER):
+    _write_metadata(partial, src, config, options, state["layers"], error_by_kind, fallbacks, block, n_shards, extra)
+    for f in (partial / STATE_FILE, partial / ACTS_FILE, partial / PARTIAL_MARKER):
         f.unlink(missing_ok=True)
     publish_directory(partial, out, "quantized")
     return QuantizeReport(
         out=out,
         seconds=time.perf_counter() - t0,
-        bytes_before=sum(f.stat().st_size for f in ckpt.files),
+        bytes_before=bytes_before,
         bytes_after=sum(f.stat().st_size for f in out.glob("*.safetensors")),
         error_by_kind=error_by_kind,
         fallback_experts=fallbacks,

@@ -14,6 +14,7 @@ from clover_lite.errors import CloverError, GenerationError
 from clover_lite.kernels import dispatch
 from clover_lite.models.config import ModelConfig, load_config
 from clover_lite.models.denoiser import Denoiser
+from clover_lite.models.diffusion_gemma_config import is_diffusion_gemma_dir
 from clover_lite.runtime.canvas import fill_canvas
 from clover_lite.runtime.decide import Decision, Filled, Questions, decision_messages, question_list
 from clover_lite.runtime.device import on_device, resolve_device, resolve_dtype
@@ -328,7 +329,7 @@ def load(
         raise CloverError(f"{model_path}: no such model directory")
     if not model_path.is_dir():
         raise CloverError(f"{model_path}: expected a model directory (config.json, *.safetensors, tokenizer)")
-    if _is_diffusion_gemma(model_path):
+    if is_diffusion_gemma_dir(model_path):
         return _load_diffusion_gemma(model_path, device, dtype, kernels, check_memory, mask_token_id=mask_token_id,
                                      context=context, static_step=static_step)
     config = load_config(model_path)
@@ -356,19 +357,6 @@ def load(
         tokenizer = Tokenizer.from_dir(model_path)
     return Engine(model, tokenizer, model_path, mask_token_id, report, context=context, static_step=static_step,
                   static_context=fits)
-
-
-def _is_diffusion_gemma(path: Path) -> bool:
-    """Whether config.json names DiffusionGemma (an unreadable one is left to load_config to report)."""
-    import json
-
-    from clover_lite.models.diffusion_gemma_config import is_diffusion_gemma
-
-    try:
-        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(raw, dict) and is_diffusion_gemma(raw)
 
 
 def _load_diffusion_gemma(path: Path, device, dtype, kernels: str | None, check_memory: bool,

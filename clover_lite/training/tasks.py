@@ -112,20 +112,13 @@ def _rules(rng: random.Random) -> tuple[str, str]:
         + " rules: " + " ".join(f"{_say(b)} if {_say(a)}." for a, b in rules)
         + f" question: is {q[0]} {q[1]}?"
     )
-    premise = {b: a for a, b in rules}
-    work, atom = [], q
-    while atom in premise:  # every chain ends at a fact or at the distractor's premise
-        work.append(f"{_say(atom)} if {_say(premise[atom])}.")
-        atom = premise[atom]
-    given = atom in facts
-    work.append(f"{_say(atom)} is {'given' if given else 'unknown'}. {'yes' if given else 'no'}")
-    return text, " ".join(work)
+    return text, _worked(_say(q), [_say(f) for f in facts], {_say(b): _say(a) for a, b in rules})
 
 
 def _worked(atom: str, facts: list[str], premise: dict[str, str]) -> str:
     """The `rules` reply for `atom` ("Ann is red"): the rules followed back from it, then given/unknown, yes/no."""
     work = []
-    while atom in premise:
+    while atom in premise:  # every chain ends at a fact or at the distractor's premise
         work.append(f"{atom} if {premise[atom]}.")
         atom = premise[atom]
     given = atom in facts
@@ -143,8 +136,7 @@ def _interlocked(rng: random.Random) -> tuple[str, str]:
     facts, premise, _ = parse_rules(prompt)
     atoms = sorted({*facts, *premise, *premise.values()})
     asked = rng.sample(atoms, rng.randint(2, 3))
-    questions = " ".join(f"is {a.replace(' is ', ' ')}?" for a in asked)
-    return f"{context} questions: {questions}", "\n".join(_worked(a, facts, premise) for a in asked)
+    return interlocked_prompt(context, asked), "\n".join(_worked(a, facts, premise) for a in asked)
 
 
 def interlocked_prompt(context: str, atoms: list[str]) -> str:
