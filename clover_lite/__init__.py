@@ -7,9 +7,17 @@
     print(clover_lite.plan("path/to/model", "int4", 8192, "rtx4090").message())   # will it fit?
 """
 
-from clover_lite.errors import CheckpointError, CloverError, ConfigError, GenerationError, TokenizerError
+from clover_lite.errors import (
+    CheckpointError,
+    CloverError,
+    ConfigError,
+    GenerationError,
+    NonFiniteError,
+    TokenizerError,
+)
 from clover_lite.planning.planner import MemoryPlan, plan
 from clover_lite.runtime.engine import Engine, load
+from clover_lite.runtime.exclusive import EngineBusyError
 from clover_lite.runtime.generation import (
     BlockEvent,
     DoneEvent,
@@ -24,5 +32,5 @@ __version__ = "0.1.0"
 __all__ = [
     "load", "Engine", "GenerationConfig", "Generation", "GenerationStats", "StepEvent", "BlockEvent", "DoneEvent",
     "plan", "MemoryPlan", "CloverError", "ConfigError", "CheckpointError", "TokenizerError", "GenerationError",
-    "__version__",
+    "NonFiniteError", "EngineBusyError", "__version__",
 ]

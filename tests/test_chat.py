@@ -106,7 +106,7 @@ def test_chat_through_pipes_is_plain_text(tiny_dir, tmp_path):
     script = "hello\n/set block 0\n/set max 8\nsecond \\\nline\n/stats\n/system be brief\n/quit\nnever read\n"
     r = subprocess.run(clover_argv("chat", "--model", str(tiny_dir), "-n", "20"), input=script,
                        capture_output=True, text=True, timeout=120, env=_env(tmp_path))
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr  # the script's "/set block 0" failed: a script sees it in the exit status
     assert "\x1b" not in r.stdout and "\x1b" not in r.stderr and PLACEHOLDER not in r.stdout
     assert ">>>" not in r.stdout  # no prompts when stdin is not a terminal
     assert "max_new_tokens = 8" in r.stdout and "session: 2 replies, 28 tokens" in r.stdout
@@ -270,3 +270,32 @@ def test_ctrl_d_during_a_reply_stops_it_and_leaves(tiny_dir, tmp_path):
     screen = t.screen.text()
     assert "Traceback" not in screen and "interrupted" in screen
     assert "6000 tokens" not in screen  # stopped early, not at the end of the reply
+
+
+def _help_settings(session) -> list[str]:
+    """The /set keys a session's /help lists ("change a setting: a, b (what), ...; /set alone lists them")."""
+    text = session.command("/help").text
+    listed = text.split("change a setting:", 1)[1].split("; /set alone", 1)[0]
+    return [item.split()[0] for item in listed.replace("\n", " ").split(",")]
+
+
+def test_help_lists_exactly_the_settings_each_chat_takes(tiny_engine, tmp_path):
+    """Block chat and DiffusionGemma chat each list their own /set keys, and every listed key takes a value."""
+    from clover_lite.checkpoint.tiny_diffusion_gemma import write_tiny_diffusion_gemma
+    from clover_lite.cli.chat_canvas import CanvasChatSession
+    from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaEngine
+
+    dg = DiffusionGemmaEngine.load(write_tiny_diffusion_gemma(tmp_path / "dg", seed=2))
+    cases = [
+        (ChatSession(tiny_engine), {"threshold": "0.5", "block": "4", "temperature": "0.5", "max": "8",
+                                    "top_p": "0.9", "top_k": "5", "seed": "3", "policy": "fixed", "steps": "2",
+                                    "confidence": "margin", "commit": "reuse"}),
+        (CanvasChatSession(dg), {"max": "8", "steps": "6", "entropy_bound": "0.2", "t_min": "0.3", "t_max": "0.9",
+                                 "stability": "2", "confidence": "0.01", "seed": "3"}),
+    ]
+    for session, values in cases:
+        assert sorted(_help_settings(session)) == sorted(values)
+        for key, value in values.items():
+            result = session.command(f"/set {key} {value}")
+            assert not result.error, (key, result.text)
+    assert CanvasChatSession(dg).command("/set threshold 0.5").error  # not DiffusionGemma's

@@ -1,6 +1,8 @@
 """The `clover` command as an installed console script, run the way a user runs it."""
 
 import json
+import os
+import random
 import re
 import shutil
 import subprocess
@@ -80,7 +82,7 @@ def test_run_errors_are_one_line(tmp_path):
     assert r.returncode == 1 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
     (tmp_path / "config.json").write_text('{"model_type": "gpt9"}')
     r = clover("info", str(tmp_path))
-    assert r.returncode == 1 and "unknown model_type 'gpt9'" in r.stderr
+    assert r.returncode == 1 and "unknown model_type 'gpt9'" in r.stderr and "diffusion_gemma" in r.stderr
     r = clover("run", "--context", "6", "--raw", "a prompt longer than the context")  # the bundled model
     assert r.returncode == 1 and r.stderr.startswith("error:") and "fills the 6-token context by itself" in r.stderr
     # A prompt that fits gets a reply shortened to the room left, said on stderr, instead of a refusal.
@@ -92,6 +94,21 @@ def test_run_errors_are_one_line(tmp_path):
     assert int(re.search(r"\[(\d+) tokens", r.stderr)[1]) <= int(m[2])
     r = clover("run", "--context", "0", "hi")
     assert r.returncode == 2 and "--context" in r.stderr
+    r = clover("run", "--context", "100000000", "hi")  # refused, not planned for (nor capped quietly)
+    assert r.returncode == 1 and "context must be 1 to 2048 positions" in r.stderr and "GiB" not in r.stderr
+    r = clover("run", "--raw", "--system", "be brief", "hi")
+    assert r.returncode == 2 and "--system" in r.stderr and "--raw" in r.stderr
+    r = clover("run", "--block-size", "64", "-n", "4", "hi")  # a library warning is a note line
+    assert r.returncode == 0 and "note: block_size 64 is over 4x" in r.stderr and "Warning" not in r.stderr
+
+
+def test_a_prompt_from_stdin_is_the_line_without_its_newline():
+    """`echo PROMPT | clover run -` answers PROMPT, as `clover run PROMPT` does (greedy: the same reply)."""
+    direct = clover("run", "--raw", "-n", "8", "sort: 5 3 9 1")
+    piped = clover("run", "--raw", "-n", "8", "-", input="sort: 5 3 9 1\n")
+    assert direct.returncode == piped.returncode == 0, piped.stderr
+    assert piped.stdout == direct.stdout
+    assert re.search(r"prefill (\d+) tokens", piped.stderr)[1] == re.search(r"prefill (\d+) tokens", direct.stderr)[1]
 
 
 def test_no_model_and_no_bundled_model_explains_what_to_do(tmp_path, monkeypatch):
@@ -114,6 +131,34 @@ def test_text_streamer_holds_back_partial_characters_and_stop_prefixes():
     assert s.feed("hello ST") == "hello"
     assert s.feed("hello STOP and more") == " STOP and m"  # only what cannot start a stop string
     assert TextStreamer(("STOP",)).finish("hello ") == "hello "
+    s = TextStreamer(stop=("import os",))
+    assert s.feed("impo") == ""  # shorter than what is held back: nothing is safe to show yet
+    assert s.finish("") == ""
+
+
+def test_text_streamer_chunks_are_the_reply_cut_at_its_stop_string():
+    """Texts growing by random pieces, cut at the first stop string as the decoding loop cuts them: what the
+    streamer shows is always a prefix of the final reply, and with its finish it is the whole reply."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    for _ in range(300):
+        full = "".join(rng.choice("ab\n") for _ in range(rng.randint(0, 30)))
+        stop = tuple("".join(rng.choice("ab\n") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(0, 2)))
+        s, shown, text = TextStreamer(stop), "", ""
+        for end in sorted(rng.sample(range(len(full) + 1), rng.randint(1, len(full) + 1))):
+            text = full[:end]
+            hits = [i for t in stop if (i := text.find(t)) >= 0]
+            text = text[: min(hits)] if hits else text
+            shown += s.feed(text)
+            if hits:
+                break
+        final = text
+        if not hits:
+            final = full
+            for t in stop:
+                final = final[: i] if (i := final.find(t)) >= 0 else final
+        assert final.startswith(shown), (seed, full, stop)
+        assert shown + s.finish(final) == final, (seed, full, stop)
 
 
 def test_layer_pattern():
@@ -174,3 +219,40 @@ def test_tiny_family_writes_that_family_and_it_runs(tmp_path, family, block):
     assert engine.generate([1, 2, 3], max_new_tokens=5, ignore_eos=True).stats.new_tokens == 5
     r = CliRunner().invoke(cli, ["tiny", str(tmp_path / "b"), "--family", family, "--block-size", "8"])
     assert r.exit_code == 0 and clover_lite.load(tmp_path / "b").config.block_size == 8
+
+
+def test_decide_reads_the_context_line_from_stdin_and_shows_options_verbatim():
+    """`--context -` is the line without its newline (the same decision as the text given inline); names and
+    options are shown as typed, never read as the table's markup."""
+    from click.testing import CliRunner
+
+    from clover_lite.cli.main import main
+
+    args = ["decide", "-q", "w=[red]on,[/b]off", "--device", "cpu"]
+    inline = CliRunner().invoke(main, [*args, "--context", "cabin hot", "--json"])
+    piped = CliRunner().invoke(main, [*args, "--context", "-", "--json"], input="cabin hot\n")
+    assert inline.exit_code == piped.exit_code == 0, piped.output
+    assert json.loads(piped.output) | {"seconds": 0} == json.loads(inline.output) | {"seconds": 0}
+    table = CliRunner().invoke(main, [*args, "--context", "cabin hot"])
+    assert table.exit_code == 0, table.output
+    assert "[red]on" in table.output and "[/b]off" in table.output
+
+
+def test_info_plans_within_the_model_and_refuses_impossible_settings():
+    """The bundled model takes 2048 positions: the default plan is at 2048, not 8192, and no card is said to fit
+    more. Group sizes that cannot pack its layers and block sizes below 1 are refused, one line each."""
+    from click.testing import CliRunner
+
+    from clover_lite.cli.main import main
+
+    r = CliRunner().invoke(main, ["info", "--json"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.output)
+    assert plan["context_len"] == 2048 and all(c["max_context"] <= 2048 for c in plan["cards"].values())
+    r = CliRunner().invoke(main, ["info", "tiny", "--quant", "int4-g7"])
+    assert r.exit_code == 1 and "group size 7 does not divide every layer" in r.output and "int4-g32" in r.output
+    r = CliRunner().invoke(main, ["info", "tiny", "--quant", "int4-g0"])
+    assert r.exit_code == 1 and "group size must be positive" in r.output
+    for value in ("0", "-4"):
+        r = CliRunner().invoke(main, ["info", "tiny", "--block-size", value])
+        assert r.exit_code == 2 and "--block-size" in r.output

@@ -132,7 +132,16 @@ def test_stop_string_truncates_text():
     _, out = run(r, [1, 2, 3, 4], max_new_tokens=12, block_size=4, stop=("jk",))
     # Generated positions 4.. decode to "fghijk...": the text stops before "jk".
     assert out.text == "fghi" and out.finish_reason == "stop"
-    assert len(out.token_ids) >= 4
+    assert out.token_ids == [r.token_at(p) for p in range(4, 8)]  # not the stop string's tokens nor later ones
+
+
+def test_a_stop_string_before_an_eos_in_the_same_step_ends_the_reply_there():
+    """All of a block committed in one step, EOS last: the stop string in the text before it still cuts."""
+    r = Scripted(lambda p: 0.99, token_at=lambda p: EOS if p == 7 else 1 + p % 20)  # "fgh" then EOS
+    _, out = run(r, [1, 2, 3, 4], max_new_tokens=8, block_size=4, stop=("gh",))
+    assert (out.text, out.token_ids, out.finish_reason) == ("f", [r.token_at(4)], "stop")
+    _, out = run(r, [1, 2, 3, 4], max_new_tokens=8, block_size=4, stop=("xy",))
+    assert (out.text, out.finish_reason) == ("fgh", "eos")
 
 
 def test_choose_confidences_against_hand_computation():
@@ -187,11 +196,51 @@ def test_seeds_reproduce_on_a_real_model(tiny_engine):
         (dict(top_k=-2), "top_k"),
         (dict(commit="lazy"), "commit"),
         (dict(stop=("",)), "stop"),
+        (dict(temperature=1e-38), "use 0 for greedy"),
+        (dict(seed=2**64), "seed must fit in 64 bits"),
+        (dict(seed=-(2**63) - 1), "seed must fit in 64 bits"),
+        # Wrong types: one GenerationError naming the setting, never a TypeError from deep inside.
+        (dict(max_new_tokens=2.5), "max_new_tokens must be an integer"),
+        (dict(max_new_tokens=None), "max_new_tokens must be an integer"),
+        (dict(block_size=2.0), "block_size must be an integer or None"),
+        (dict(top_k=1.5), "top_k must be an integer"),
+        (dict(threshold=None), "threshold must be a number"),
+        (dict(seed="abc"), "seed must be an integer or None"),
+        (dict(stop=[3]), "stop must be a string or a list of strings"),
+        (dict(stop_token_ids=224), "stop_token_ids must be a list of integer token ids"),
+        (dict(stop_token_ids=["x"]), "stop_token_ids must be a list of integer token ids"),
+        (dict(ignore_eos="no"), "ignore_eos must be True or False"),
     ],
 )
 def test_bad_generation_settings_are_clear_errors(bad, word):
     with pytest.raises(GenerationError, match=word):
         GenerationConfig(**bad).resolved(4)
+
+
+def test_stop_is_the_same_however_it_is_given():
+    """One bare string is one stop string through the constructor as through replace(); None is none."""
+    for stop, want in (("3 5", ("3 5",)), (["a", "b"], ("a", "b")), (None, ())):
+        assert GenerationConfig(stop=stop).stop == GenerationConfig().replace(stop=stop).stop == want
+    assert GenerationConfig(stop_token_ids=[4, 5]).stop_token_ids == (4, 5)
+
+
+def test_numpy_numbers_are_taken_as_python_ones(tiny_engine):
+    """Settings read from arrays: numpy scalars become the ints and floats torch's generator and kernels take."""
+    import numpy as np
+
+    cfg = GenerationConfig(max_new_tokens=np.int64(6), seed=np.int64(3), temperature=np.float32(0.5))
+    assert type(cfg.seed) is int and type(cfg.max_new_tokens) is int and type(cfg.temperature) is float
+    a = tiny_engine.generate([1, 2, 3], cfg)
+    assert a.token_ids == tiny_engine.generate([1, 2, 3], max_new_tokens=6, seed=3, temperature=0.5).token_ids
+
+
+def test_the_smallest_temperature_and_the_seed_range_ends_sample(tiny_engine):
+    """The bounds of what is accepted work end to end: finite confidences, tokens from the vocabulary."""
+    from clover_lite.runtime.generation import MIN_TEMPERATURE
+
+    for seed in (2**64 - 1, -(2**63)):
+        out = tiny_engine.generate([1, 2, 3], max_new_tokens=4, temperature=MIN_TEMPERATURE, seed=seed)
+        assert len(out.token_ids) >= 1 and all(0 <= t < tiny_engine.config.vocab_size for t in out.token_ids)
 
 
 @pytest.mark.parametrize("confidence, lo, hi", [("prob", 0, 1), ("margin", -1, 1), ("entropy", 0, 1)])

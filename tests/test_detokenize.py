@@ -197,7 +197,8 @@ class RandomRunner:
 
 def reference_texts(events, prompt_len: int, cfg: GenerationConfig, eos: set[int], decode):
     """What the loop gave before incremental decoding, from each step's block alone: the contiguous committed
-    prefix is cut at the first stop token; else its full decode, cut at the first stop string."""
+    prefix ends at the first stop token, and its decode is cut at the first stop string, which comes first and so
+    wins over the stop token (the result keeping the fewest ids that show the cut text)."""
     stop_ids = set(cfg.stop_token_ids) | eos
     generated, expected = [], []
     for ev in events:
@@ -214,10 +215,13 @@ def reference_texts(events, prompt_len: int, cfg: GenerationConfig, eos: set[int
                 result = ("eos" if t in eos else "stop", prefix, decode(prefix))
                 break
             prefix.append(t)
-        if result is None and cfg.stop and prefix:
+        if cfg.stop and prefix:  # a stop string before the stop token ends the reply there
             text = decode(prefix)
             hits = [text.find(s) for s in cfg.stop if s in text]
-            result = ("stop", prefix, text[: min(hits)]) if hits else None
+            if hits:  # the text up to the stop string, and the fewest ids whose decode starts with it
+                cut = text[: min(hits)]
+                k = next(k for k in range(len(prefix) + 1) if decode(prefix[:k]).startswith(cut))
+                result = ("stop", prefix[:k], cut)
         expected.append((ev, result, result[2] if result else decode(prefix)))
     return expected, generated
 

@@ -335,6 +335,11 @@ def test_clear_errors(tmp_path):
         generate(model, prompt, max_new_tokens=64)  # 3 + 8 canvases of 8 > 64 positions
     with pytest.raises(GenerationError, match="sampler='top_k' is unknown"):
         generate(model, prompt, sampler="top_k")
+    for setting, words in ((dict(eos_token_ids=None), "eos_token_ids=None must be a list of integer"),
+                           (dict(stability_threshold=1.5), "stability_threshold=1.5 must be a whole number"),
+                           (dict(t_min=None), "t_min=None must be a finite number")):
+        with pytest.raises(GenerationError, match=words):
+            generate(model, prompt, **setting)
     gen_cfg = path / "generation_config.json"
     raw = json.loads(gen_cfg.read_text())
     raw["sampler_config"] = {"_cls_name": "MaskGITSamplerConfig", "temperature": 1.0}
@@ -385,6 +390,48 @@ def test_engine_text_stream_and_session(tmp_path):
     assert second.result.encoded_tokens < len(follow)  # only the uncached tail was encoded
     with pytest.raises(GenerationError, match="unknown DiffusionGemma setting"):
         engine.generate("hi", temperature=0.0)
+
+
+def test_engine_runs_one_generation_at_a_time(tmp_path):
+    """The session's prefix cache is shared, so the engine is held as Engine is: a paused stream makes a
+    second caller in its thread an error and one in another thread wait (EngineBusyError past `wait`), and
+    threads generating at once each get what they get alone."""
+    import threading
+
+    from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaEngine
+    from clover_lite.runtime.exclusive import EngineBusyError
+
+    path = write_tiny_diffusion_gemma(tmp_path / "tiny", seed=7)
+    engine = DiffusionGemmaEngine.load(path)
+    prompts = ["one two three", "four five six seven"]
+    alone = [DiffusionGemmaEngine.load(path).generate(p, seed=k, max_new_tokens=24).tokens
+             for k, p in enumerate(prompts)]
+    paused = engine.stream(prompts[0], seed=0, max_new_tokens=24)
+    next(paused)
+    with pytest.raises(GenerationError, match="already generating in this thread"):
+        engine.generate("zzz", seed=9, max_new_tokens=8)
+    got: dict = {}
+
+    def other() -> None:
+        try:
+            engine.generate("zzz", seed=9, max_new_tokens=8, wait=0.2)
+        except EngineBusyError as e:
+            got["error"] = e
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(30)
+    assert "busy" in str(got["error"])
+    assert [e for e in paused][-1].tokens == alone[0]  # the held stream went on undisturbed
+    out: dict = {}
+    threads = [threading.Thread(target=lambda k=k, p=p: out.update({k: engine.generate(p, seed=k,
+                                                                                      max_new_tokens=24).tokens}))
+               for k, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [out[0], out[1]] == alone
 
 
 def test_bfloat16_load_tracks_float32(tmp_path):

@@ -1,5 +1,6 @@
 """The Python API: load, generate, stream, prompts of every kind, thread-safety and its errors."""
 
+import shutil
 import threading
 
 import pytest
@@ -162,8 +163,9 @@ def test_prompt_errors(tiny_engine):
         tiny_engine.generate([], max_new_tokens=2)
     with pytest.raises(GenerationError, match="outside the vocabulary"):
         tiny_engine.generate([1, 99999], max_new_tokens=2)
-    with pytest.raises(GenerationError, match="prompt must be"):
-        tiny_engine.generate([1.5, 2], max_new_tokens=2)
+    for bad in ([1.5, 2], None, 5, b"hi"):  # bytes would otherwise read as token ids
+        with pytest.raises(GenerationError, match="prompt must be"):
+            tiny_engine.generate(bad, max_new_tokens=2)
     with pytest.raises(GenerationError, match="unknown generation setting"):
         tiny_engine.generate("x", max_tokens=3)
 
@@ -186,8 +188,10 @@ def test_context_given_at_load_limits_generations_and_chat(tiny_dir, tiny_engine
         tiny_engine.generate([1] * limit, max_new_tokens=1)
     with pytest.raises(CloverError, match=r"static step needs a context of at least one block \(4 positions\)"):
         clover_lite.Engine(tiny_engine.model, None, context=3, static_step=True)
-    with pytest.raises(CloverError, match="context must be at least 1"):
+    with pytest.raises(CloverError, match=r"context must be 1 to \d+ positions \(the model.s limit\), got 0"):
         clover_lite.Engine(tiny_engine.model, None, context=0)
+    with pytest.raises(CloverError, match=rf"context must be 1 to {limit} positions"):
+        clover_lite.load(tiny_dir, device="cpu", context=limit + 1)  # refused before planning memory for it
     assert len(eng.generate([1] * 30, max_new_tokens=10, ignore_eos=True).token_ids) == 10
     ids, cfg = ChatSession(eng, GenerationConfig(max_new_tokens=1000)).request("hi")
     assert cfg.max_new_tokens == 40 - len(ids)
@@ -218,6 +222,22 @@ def test_load_errors(tmp_path, tiny_dir):
     if not torch.cuda.is_available():
         with pytest.raises(CloverError, match="CUDA is not available"):
             clover_lite.load(tiny_dir, device="cuda")
+    for device in ("tpu", "meta", 3.5):
+        with pytest.raises(CloverError, match="clover-lite runs on 'cpu' or 'cuda'"):
+            clover_lite.load(tiny_dir, device=device)
+    with pytest.raises(CloverError, match="kernels='cuda': use one of auto, torch, triton"):
+        clover_lite.load(tiny_dir, kernels="cuda")
+    with pytest.raises(CloverError, match="mask_token_id 100000 is outside the vocabulary"):
+        clover_lite.load(tiny_dir, mask_token_id=100_000)
+    if not torch.cuda.is_available():  # the default backend on a CPU is torch: no static step to run
+        with pytest.raises(CloverError, match="static_step=True: .*needs the Triton backend"):
+            clover_lite.load(tiny_dir, device="cpu", static_step=True)
+    d = tmp_path / "config_is_a_folder"
+    shutil.copytree(tiny_dir, d)
+    (d / "config.json").unlink()
+    (d / "config.json").mkdir()
+    with pytest.raises(CloverError, match="config.json: not a file"):
+        clover_lite.load(d)
 
 
 def test_a_cuda_device_the_machine_lacks_is_named(monkeypatch):

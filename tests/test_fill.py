@@ -1,12 +1,16 @@
 """Filling templates and joint decisions (`Engine.fill`, `Engine.decide`, runtime/canvas.py): every answer is one
 of its options, template text never changes, the cached canvas loop equals the recompute runner at any slot
-length and offset, option probabilities are the reference forward's, joint uses fewer forwards than
+length and offset, option probabilities are the reference forwards' (end-token padding included, a product over
+the blocks a slot crosses), an option extending another wins when its continuation is likelier, a slot crossing
+a block boundary is decided block by block whatever its options' order, joint uses fewer forwards than
 sequential, and each bad input is one clear error. Random cases draw a fresh seed per run
 (CLOVER_TEST_SEED repeats one)."""
 
+import itertools
 import math
 import os
 import random
+import zlib
 
 import pytest
 import torch
@@ -111,9 +115,10 @@ def test_answers_are_options_at_temperature_one(tiny_engine):
 
 
 def test_option_probabilities_are_the_reference_forwards(tiny_engine):
-    """Each option's probability is the product of its tokens' softmax probabilities at their positions in
-    the forward that decided them: here (one step per block) the first, which the reference (uncached,
-    block-causal) forward of prompt + template with every slot masked reproduces."""
+    """Each option's probability is the product of the softmax probabilities of what it writes at the slot's
+    positions (its tokens, then the end token padding "x" to the length of "yz") in the forward that decided
+    them: here (one step per block) the first, which the reference (uncached, block-causal) forward of prompt +
+    template with every slot masked reproduces."""
     model, mask = tiny_engine.model, tiny_engine.mask_token_id
     tok = tiny_engine.tokenizer
     prompt = tok.encode("ab")  # the first block: 2 prompt tokens, then the template
@@ -126,8 +131,8 @@ def test_option_probabilities_are_the_reference_forwards(tiny_engine):
     ids = torch.tensor([prompt + [mask] * len(canvas.tokens)])
     with torch.no_grad():
         logp = torch.log_softmax(model(ids, block_size=8)[0].double(), -1)
-    P = len(prompt)
-    expect = {"a": {"x": logp[P, tok.encode("x")[0]].exp(),
+    P, end = len(prompt), tiny_engine.end_token_id
+    expect = {"a": {"x": (logp[P, tok.encode("x")[0]] + logp[P + 1, end]).exp(),
                     "yz": (logp[P, tok.encode("y")[0]] + logp[P + 1, tok.encode("z")[0]]).exp()},
               "b": {"p": logp[P + 2, tok.encode("p")[0]].exp(), "q": logp[P + 2, tok.encode("q")[0]].exp()}}
     for name, probs in expect.items():
@@ -212,6 +217,211 @@ def test_a_choice_is_its_best_option_not_its_best_tokens(mode):
     assert res.steps == ([[0, 1, 2]] if mode == "joint" else [[0, 1], [2]])
 
 
+def _softmax64(logits: torch.Tensor) -> torch.Tensor:
+    """Probabilities of one row of logits, by hand in float64."""
+    e = [math.exp(float(v)) for v in logits]
+    return torch.tensor([v / sum(e) for v in e], dtype=torch.float64)
+
+
+class _RowsRunner(ScriptedRunner):
+    """Row p - 1 of `logits` at absolute position p (one block after a 1-token prompt)."""
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__({}, logits.shape[1])
+        self.logits = logits
+
+    def step(self, block, positions):
+        self.calls.append(list(positions))
+        return self.logits[torch.tensor(positions) - 1]
+
+
+@pytest.mark.parametrize("mode", ["joint", "sequential"])
+def test_an_option_that_extends_another_wins_when_its_continuation_is_likelier(mode):
+    """Options a and a b c (token ids, random, in random order) in one block of 8 after a 1-token prompt; the
+    end token pads a to a END END. Random logits over a vocabulary of 16, then a boost to the end token at
+    positions 2-3 (short must win) or to b and c there (long must win). The winner and both probabilities are
+    the hand-computed products of what each option writes: p1(a) p2(END) p3(END) against p1(a) p2(b) p3(c)."""
+    from clover_lite.runtime.template import Canvas, Slot
+
+    rng = random.Random(SEED + 11)
+    V, END, MASK = 16, 9, 15
+    wins = set()
+    for case in range(12):
+        a, b, c = rng.sample([t for t in range(1, V) if t not in (END, MASK)], 3)
+        options = {"short": [a], "long": [a, b, c]}
+        order = rng.sample(list(options), 2)
+        slot = Slot(name="s", start=0, length=3, options=order, option_ids=[options[o] for o in order])
+        canvas = Canvas(tokens=[None] * 3, slots=[slot], pieces=[slot], end_token_id=END)
+        g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+        logits = torch.randn(3, V, generator=g) * 2  # rows: positions 1-3
+        logits[0, a] += 3
+        want = "short" if case % 2 else "long"
+        for row, token in ((1, b), (2, c)):
+            logits[row, END if want == "short" else token] += rng.uniform(4, 8)
+        cfg = GenerationConfig(block_size=8).resolved(4)
+        res = fill_canvas(_RowsRunner(logits), [1], canvas, cfg, mask_token_id=MASK, end_token_id=END, mode=mode)
+        p = [_softmax64(row) for row in logits]
+        expect = {"short": float(p[0][a] * p[1][END] * p[2][END]), "long": float(p[0][a] * p[1][b] * p[2][c])}
+        best = max(expect, key=expect.get)
+        why = f"seed {SEED}, case {case}: options {order} {options}, expect {expect}"
+        assert best == want, why  # the boost decides it (the test's own check)
+        assert res.slot_tokens["s"] == canvas.slots[0].padded(END)[order.index(best)], why
+        for o in options:
+            assert math.isclose(res.option_probabilities["s"][o], expect[o], rel_tol=1e-4), why
+        wins.add(best)
+    assert wins == {"short", "long"}
+
+
+class ContextRunner:
+    """A fake model whose logits at an absolute position are a pseudo-random function of that position, every
+    token before its block (the committed context) and its block's ids (masks included), plus `boost[p][t]`:
+    a decision that used another forward's logits, or scored a later block before the earlier one was
+    committed, gets other numbers than `logits_at`, the reference's."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, block_size: int, vocab: int, boost: dict[int, dict[int, float]], salt: int):
+        self.B, self.V, self.boost, self.salt = block_size, vocab, boost, salt
+        self.history: list[int] = []
+        self.forwards = 0
+
+    def logits_at(self, p: int, history: list[int], block: list[int]) -> torch.Tensor:
+        seed = zlib.crc32(repr((self.salt, p, history, block)).encode())
+        out = torch.randn(self.V, generator=torch.Generator().manual_seed(seed))
+        for t, v in self.boost.get(p, {}).items():
+            out[t] += v
+        return out
+
+    def reserve(self, n):
+        pass
+
+    def prefill(self, ids):
+        self.history = list(ids)
+
+    def step(self, block, positions):
+        self.forwards += 1
+        start = len(self.history)
+        return torch.stack([self.logits_at(start + j, self.history, list(block)) for j in positions])
+
+    def commit(self, block):
+        self.history += list(block)
+
+
+def _block_by_block(runner: ContextRunner, seq: list[int | None], slot_at: int, padded: list[list[int]],
+                    mask: int) -> tuple[int, list[float]]:
+    """The reference for one choice slot at absolute positions slot_at.. of `seq` (None there), in float64: per
+    block it reaches, each remaining option scores the log-probability of what it writes in that block (logits
+    from the committed context before the block and the block with the slot's positions masked); the best
+    (first listed on a tie) is written and the options writing the same there remain. Returns the option whose
+    tokens end up in the slot and each option's summed log-probability."""
+    B, n, length = runner.B, len(padded), len(padded[0])
+    seq, alive, logp = list(seq), list(range(n)), [0.0] * n
+    for b0 in range(slot_at // B * B, slot_at + length, B):
+        block = list(range(b0, min(b0 + B, len(seq))))
+        here = [p for p in block if slot_at <= p < slot_at + length]
+        ids = [mask if seq[p] is None else seq[p] for p in block]
+        lp = {p: _softmax64(runner.logits_at(p, seq[:b0], ids)).log() for p in here}
+        score = {o: sum(float(lp[p][padded[o][p - slot_at]]) for p in here) for o in alive}
+        best = max(alive, key=lambda o: score[o])  # max keeps the first of equals
+        for o in alive:
+            logp[o] += score[o]
+        alive = [o for o in alive if all(padded[o][p - slot_at] == padded[best][p - slot_at] for p in here)]
+        for p in here:
+            seq[p] = padded[best][p - slot_at]
+    (winner,) = {tuple(padded[o]) for o in alive}
+    return padded.index(list(winner)), logp
+
+
+def test_a_choice_across_a_block_boundary_is_decided_block_by_block():
+    """A choice slot of 5-7 positions at every offset in its block of 4 (random prompt and fixed text around
+    it), its 2-4 options sharing the tokens of the slot's first block and of unequal lengths (end-token
+    padding), after a random prompt. The logits depend on the committed context and the block (ContextRunner),
+    and one random option's tokens in the later blocks are boosted. In every order of the options the boosted
+    one wins, the slot holds its padded tokens, and each option's probability is the reference's product over
+    the blocks it was scored in (an option dropped early keeps its product up to there)."""
+    from clover_lite.runtime.template import Canvas, Slot
+
+    rng = random.Random(SEED + 13)
+    B, V, END, MASK = 4, 24, 9, 23
+    vocab = [t for t in range(1, V) if t not in (END, MASK)]
+    for offset in [o for o in range(B) for _ in range(3)]:
+        pre, post = rng.randint(0, 2), rng.randint(0, 2)
+        P = rng.randrange(1, 3) * B + (offset - pre) % B  # the slot starts at `offset` in its block
+        prompt = [rng.choice(vocab) for _ in range(P)]
+        shared = [rng.choice(vocab) for _ in range(B - offset)]  # the slot's positions in its first block
+        n = rng.randint(2, 4)
+        tails: list[list[int]] = []
+        while len(tails) < n:
+            tail = [rng.choice(vocab[:4]) for _ in range(rng.randint(1, 3))]  # few tokens: shared stretches
+            if tail not in tails:
+                tails.append(tail)
+        option_ids = [shared + t for t in tails]
+        length = max(len(ids) for ids in option_ids)
+        padded = [ids + [END] * (length - len(ids)) for ids in option_ids]
+        target = rng.randrange(n)
+        slot_at = P + pre
+        boost = {slot_at + j: {t: 6.0} for j, t in enumerate(padded[target]) if j >= len(shared)}
+        given_pre, given_post = [rng.choice(vocab) for _ in range(pre)], [rng.choice(vocab) for _ in range(post)]
+        salt = rng.randrange(1 << 30)
+        expect_p = None
+        for perm in itertools.permutations(range(n)):
+            names = [f"o{k}" for k in perm]
+            slot = Slot(name="s", start=pre, length=length, options=names, option_ids=[option_ids[k] for k in perm])
+            canvas = Canvas(tokens=given_pre + [None] * length + given_post, slots=[slot], pieces=[slot],
+                            end_token_id=END)
+            runner = ContextRunner(B, V, boost, salt)
+            cfg = GenerationConfig(block_size=B, threshold=rng.choice([0.5, 0.9, 0.99])).resolved(B)
+            res = fill_canvas(runner, prompt, canvas, cfg, mask_token_id=MASK, end_token_id=END,
+                              mode=rng.choice(["joint", "sequential"]))
+            seq = prompt + given_pre + [None] * length + given_post
+            won, logp = _block_by_block(runner, seq, slot_at, [padded[k] for k in perm], MASK)
+            why = f"seed {SEED}: offset {offset}, P {P}, options {option_ids} in order {perm}, target {target}"
+            assert perm[won] == target, why  # the boost decides it (the test's own check)
+            assert res.slot_tokens["s"] == padded[target], why
+            assert res.forwards == len(range(slot_at // B * B, slot_at + length, B)), why  # one per block
+            probs = {f"o{k}": math.exp(logp[i]) for i, k in enumerate(perm)}
+            for name, p in probs.items():
+                assert math.isclose(res.option_probabilities["s"][name], p, rel_tol=1e-4), (why, name)
+            expect_p = expect_p or probs
+            assert all(math.isclose(probs[k], expect_p[k], rel_tol=1e-9) for k in probs), why  # order-free
+
+
+def test_a_choice_across_blocks_on_the_model_is_the_reference_forwards(tiny_engine):
+    """The tiny model at block size 4, a choice of options sharing their first letters (a token each) of
+    unequal lengths after a random prompt, at every offset: the cached loop's answer and option probabilities
+    equal the block-by-block reference on uncached block-causal forwards in float64 (each block's logits
+    after the committed blocks, the slot's positions in it masked)."""
+    model, tok = tiny_engine.model, tiny_engine.tokenizer
+    mask, end = tiny_engine.mask_token_id, tiny_engine.end_token_id
+    rng = random.Random(SEED + 17)
+    B = 4
+
+    class Reference(ContextRunner):
+        def logits_at(self, p, history, block):
+            ids = torch.tensor([history + block])
+            with torch.no_grad():
+                return model(ids, block_size=B)[0, p].double()
+
+    for offset in range(B):
+        stem = "".join(rng.choice(LETTERS) for _ in range(rng.randint(1, 4)))
+        options: list[str] = []
+        while len(options) < rng.randint(2, 4):
+            o = stem + "".join(rng.choice("ab") for _ in range(rng.randint(0, 3)))
+            if o not in options:
+                options.append(o)
+        canvas = build_canvas(tok, "{s}", {"s": options}, end, mask)
+        P = rng.randrange(1, 3) * B + offset
+        prompt = [rng.randrange(0, 256) for _ in range(P)]
+        cfg = GenerationConfig(block_size=B).resolved(4)
+        res = fill_canvas(CachedRunner(model, B), prompt, canvas, cfg, mask, end, tiny_engine.eos_token_ids)
+        padded = canvas.slots[0].padded(end)
+        won, logp = _block_by_block(Reference(B, 0, {}, 0), prompt + canvas.tokens, P, padded, mask)
+        why = f"seed {SEED}: offset {offset}, options {options}"
+        assert res.slot_tokens["s"] == padded[won], why
+        for o, lp in zip(options, logp, strict=True):
+            assert math.isclose(res.option_probabilities["s"][o], math.exp(lp), rel_tol=1e-3), (why, o)
+
+
 def test_joint_uses_fewer_forwards_than_sequential(tiny_engine):
     q = {"window": ["open", "closed"], "fan": ["on", "off"], "seat": ["hot", "cold"]}
     joint = tiny_engine.decide("cabin", q, policy="fixed", steps_per_block=1, block_size=16)
@@ -230,11 +440,12 @@ def test_fill_keeps_the_template_and_cuts_free_slots(tiny_engine):
 
 
 @pytest.mark.parametrize("call, why", [
-    (lambda e: e.decide("c", {"a": []}), "no options"),
+    # Errors name the question as the caller gave it (not the template's slot for it).
+    (lambda e: e.decide("c", {"window": []}), "question 'window' has no options"),
     (lambda e: e.decide("c", [("a", ["x"]), ("a", ["y"])]), "more than once"),
-    (lambda e: e.decide("c", {"a": ["x", "x"]}), "more than once"),
-    (lambda e: e.decide("c", {"a": ["<|mask|>", "y"]}), "cannot encode"),
-    (lambda e: e.decide("c", {"a": ["", "y"]}), "empty option"),
+    (lambda e: e.decide("c", {"window": ["x", "x"]}), "question 'window' lists .* more than once"),
+    (lambda e: e.decide("c", {"window": ["<|mask|>", "y"]}), "question 'window': the tokenizer cannot encode"),
+    (lambda e: e.decide("c", {"window": ["", "y"]}), "question 'window' has an empty option"),
     (lambda e: e.decide("c", {}), "no questions"),
     (lambda e: e.decide("c", {"a": "xy"}), "list of strings"),
     (lambda e: e.decide("c", {"a": ["x"]}, mode="parallel"), "mode must be"),
@@ -244,6 +455,8 @@ def test_fill_keeps_the_template_and_cuts_free_slots(tiny_engine):
     (lambda e: e.fill("{a:2}", slots={"b": 3}), "not in the template"),
     (lambda e: e.fill("{a:0}"), "positions"),
     (lambda e: e.fill("{a:2}", slots={"a": 2}), "both"),
+    (lambda e: e.fill("{a:2}", max_new_tokens=8), "max_new_tokens does not apply to fill or decide"),
+    (lambda e: e.decide("c", {"a": ["x"]}, stop=["x"]), "stop does not apply"),
 ])
 def test_bad_questions_and_templates_are_one_clear_error(tiny_engine, call, why):
     with pytest.raises(GenerationError, match=why):

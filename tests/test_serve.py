@@ -6,6 +6,7 @@ import http.client
 import json
 import random
 import runpy
+import shutil
 import signal
 import threading
 import time
@@ -16,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 import clover_lite
+import clover_lite.runtime.engine
 from clover_lite.cli.main import main as cli
 
 ServerProcess = runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"),
@@ -172,6 +174,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "over the model's context"),
     ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "outside the vocabulary"),
     ("/v1/completions", {"prompt": ""}, 400, "'prompt' must be a non-empty"),
+    ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nested too deeply"),
+    ("/v1/completions", {"prompt": "hi", "seed": 10**25, "temperature": 0.7}, 400, "seed must fit in 64 bits"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 1e-38}, 400, "use 0 for greedy"),
+    ("/v1/clover/decide", {"context": "x", "questions": {"window": ["a", "a"]}}, 400, "question 'window' lists"),
 ]
 
 
@@ -199,9 +205,23 @@ def test_bad_requests_get_one_clear_4xx_and_the_server_keeps_serving(server):
 
 def test_api_key_queue_limit_and_a_disconnect_mid_stream(tmp_path):
     """--max-queue 0: while one stream runs, another request gets 503 with Retry-After; a client leaving the
-    stream frees the engine at its next step (the cancelled job decided fewer positions than it was asked)."""
-    server = ServerProcess("--api-key", "sesame", "--max-queue", "0")
+    stream frees the engine at its next step (the cancelled job decided fewer positions than it was asked).
+    The model is the bundled one with a chat template that refuses system turns, as Qwen-style templates
+    refuse some conversations: such a chat request is a 400 naming `messages` with the template's words."""
+    model = tmp_path / "model"
+    shutil.copytree(clover_lite.runtime.engine.BUNDLED_MODEL, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                               "{{ raise_exception('System turns are not supported') }}{% endif %}{% endfor %}"
+                               + config["chat_template"])
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    server = ServerProcess(str(model), "--api-key", "sesame", "--max-queue", "0")
     try:
+        status, _, raw = server.request("POST", "/v1/chat/completions", {"messages": [
+            {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
+            headers={"Authorization": "Bearer sesame"})
+        err = json.loads(raw)["error"]
+        assert status == 400 and err["param"] == "messages" and "System turns are not supported" in err["message"]
         assert server.request("GET", "/health")[0] == 200  # health needs no key
         assert server.request("GET", "/v1/models")[0] == 401
         with pytest.raises(openai.AuthenticationError):

@@ -279,9 +279,12 @@ def copy_tensors(
     return done
 
 
-def nonfinite_error(info: TensorInfo, stored: torch.Tensor, cast: torch.Tensor) -> CheckpointError:
+def nonfinite_error(info: TensorInfo, stored: torch.Tensor, cast: torch.Tensor,
+                    skip_hint: str = " (load(..., check_finite=False) / --no-check-finite skips this scan)"
+                    ) -> CheckpointError:
     """The error for a tensor holding NaN/Inf (`stored` as read, `cast` as it would enter the model): how
-    many of each and where the first is, or, when the stored values are finite, the cast that overflowed."""
+    many of each and where the first is, or, when the stored values are finite, the cast that overflowed.
+    `skip_hint` names the caller's way to skip the scan ("" where there is none)."""
     def first_bad(t: torch.Tensor) -> list[int]:
         return [int(i) for i in (~torch.isfinite(t)).nonzero()[0].tolist()]
 
@@ -292,7 +295,7 @@ def nonfinite_error(info: TensorInfo, stored: torch.Tensor, cast: torch.Tensor) 
         return CheckpointError(
             f"{head} holds {nan} NaN and {inf} Inf value(s) of {stored.numel()} (the first at index "
             f"{where}): the file is corrupt or was exported from a diverged model; re-download or "
-            "re-export the checkpoint (load(..., check_finite=False) / --no-check-finite skips this scan)"
+            f"re-export the checkpoint{skip_hint}"
         )
     biggest = float(stored.abs().max()) if stored.numel() else 0.0
     return CheckpointError(

@@ -17,7 +17,9 @@ import click
 import torch
 
 from clover_lite.checkpoint.random_weights import ProgressFn, init_random_
+from clover_lite.cli.quantize import device_option, group_size_option
 from clover_lite.errors import CloverError
+from clover_lite.models.config import ModelConfig
 from clover_lite.planning.devices import fmt_bytes
 from clover_lite.planning.memory import parse_quant
 from clover_lite.planning.named_configs import NAMED_CONFIGS, named_config
@@ -229,7 +231,15 @@ def _device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def _check_plan(p: MemoryPlan, device: torch.device) -> None:
+def _smaller(p: MemoryPlan, random_weights: bool) -> str:
+    """What bench's own options can do about memory: a shorter run, and 4-bit weights unless they already are."""
+    advice = "use fewer --prompt-tokens or --new-tokens"
+    if not p.scheme.quantized:
+        advice += ", or --quant int4" if random_weights else ", or an INT4 checkpoint of it (clover quantize)"
+    return advice
+
+
+def _check_plan(p: MemoryPlan, device: torch.device, random_weights: bool) -> None:
     if device.type == "cuda" and not p.fits():
         raise MemoryPlanError(f"not building the model: it would run out of GPU memory.\n{p.message()}")
     if device.type == "cpu" and p.target.capacity and p.weight_bytes > p.target.capacity:
@@ -237,11 +247,23 @@ def _check_plan(p: MemoryPlan, device: torch.device) -> None:
                               f"available RAM ({fmt_bytes(p.target.capacity)}).\n{p.message()}")
     if device.type == "cpu" and p.target.capacity and p.total > p.target.capacity:
         raise MemoryPlanError(f"not running: the weights, cache and workspace ({fmt_bytes(p.total)}) exceed the "
-                              f"available RAM ({fmt_bytes(p.target.capacity)}); use fewer --prompt-tokens or "
-                              f"--new-tokens, or --quant int4.\n{p.message()}")
-    warning = ram_warning(p) if device.type == "cpu" else None
-    if warning:
-        click.echo(f"warning: {warning}", err=True)
+                              f"available RAM ({fmt_bytes(p.target.capacity)}); {_smaller(p, random_weights)}."
+                              f"\n{p.message()}")
+    if device.type == "cpu" and ram_warning(p):  # the planner's rule of when to warn; bench's own advice
+        click.echo(f"warning: this needs about {fmt_bytes(p.total)} of the {fmt_bytes(p.target.capacity)} of RAM "
+                   "available now: the machine may swap, or the process be killed; close other programs, or "
+                   f"{_smaller(p, random_weights)}", err=True)
+
+
+def int4_group_size(cfg: ModelConfig, group_size: int | None) -> int:
+    """The INT4 group size as `clover quantize` would take it for this config: None picks 128, or the largest
+    of 64, 32, 16 that divides every layer; one that does not divide every layer's input features is refused
+    naming those that do, before any weight is allocated."""
+    from clover_lite.quant.checks import check_linear_shapes, linear_shapes
+    from clover_lite.quant.options import QuantizeOptions
+
+    options = QuantizeOptions(group_size=group_size)
+    return check_linear_shapes(linear_shapes(meta_model(cfg, "fp32"), options), options).group_size
 
 
 @click.command()
@@ -253,13 +275,16 @@ def _check_plan(p: MemoryPlan, device: torch.device) -> None:
 @click.option("--random-weights", is_flag=True, help="Random weights made on the device: nothing is downloaded.")
 @click.option("--quant", type=click.Choice(["bf16", "fp16", "fp32", "int4", "nf4"]), default=None,
               help="Weight format with --random-weights (default: bf16 on a GPU, fp32 on a CPU). int4 = GPTQ.")
-@click.option("--group-size", type=int, default=128, show_default=True, help="INT4 group size (random weights).")
-@click.option("--device", default="auto", show_default=True)
+@click.option("--group-size", type=int, default=None, callback=group_size_option,
+              help="INT4 group size with --quant int4 [default: 128, or the largest of 64, 32, 16 that divides every "
+                   "layer].")
+@click.option("--device", default="auto", show_default=True, callback=device_option)
 @click.option("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU).")
-@click.option("--block-size", type=int, default=None, help="Block size (default: the model's).")
-@click.option("--prompt-tokens", type=int, default=512, show_default=True)
-@click.option("--new-tokens", type=int, default=128, show_default=True)
-@click.option("--steps", type=int, default=16, show_default=True, help="Timed denoising steps and commits.")
+@click.option("--block-size", type=click.IntRange(min=1), default=None, help="Block size [default: the model's].")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Timed denoising steps and commits.")
 @click.option("--threshold", type=float, default=0.9, show_default=True)
 @click.option("--policy", type=click.Choice(["threshold", "fixed"]), default="threshold", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -283,17 +308,23 @@ def bench(model, model_path, config_name, random_weights, quant, group_size, dev
 
     err = Console(stderr=True)
     model_path = model_argument(model, model_path)
+    # Combinations that would be ignored or cannot run: usage errors, before anything is read.
+    if (model_path is None) == (config_name is None):
+        raise click.UsageError("give either a model directory (MODEL or --model PATH) or --config NAME "
+                               "--random-weights")
+    if config_name is not None and not random_weights:
+        raise click.UsageError(f"the named config '{config_name}' has no weights: add --random-weights")
+    if model_path is not None and quant is not None:
+        raise click.UsageError("--quant applies to --random-weights; a checkpoint's format is its own "
+                               "(clover quantize makes an INT4 one)")
+    if model_path is not None and random_weights:
+        raise click.UsageError("--random-weights applies to --config NAME; a checkpoint is benchmarked with its own "
+                               "weights: leave --random-weights out")
+    if group_size is not None and (model_path is not None or quant != "int4"):
+        why = ("a checkpoint's format is its own" if model_path is not None
+               else f"--quant {quant} has no groups" if quant else "the default format (fp32 or bf16) has no groups")
+        raise click.UsageError(f"--group-size applies to --config NAME --random-weights --quant int4; {why}")
     try:
-        if (model_path is None) == (config_name is None):
-            raise CloverError("give either a model directory (MODEL or --model PATH) or --config NAME "
-                              "--random-weights")
-        if config_name is not None and not random_weights:
-            raise CloverError(f"the named config '{config_name}' has no weights: add --random-weights")
-        if model_path is not None and quant is not None:
-            raise CloverError("--quant applies to --random-weights; a checkpoint's format is its own "
-                              "(clover quantize makes an INT4 one)")
-        if min(prompt_tokens, new_tokens, steps) < 1:
-            raise CloverError("--prompt-tokens, --new-tokens and --steps must be >= 1")
         for target in (json_path, plot_path):  # before the run, not after it
             if target:
                 check_file_target(target)
@@ -312,12 +343,14 @@ def bench(model, model_path, config_name, random_weights, quant, group_size, dev
             if config_name is not None:
                 cfg = named_config(config_name)
                 q = quant or ("fp32" if dev.type == "cpu" else "bf16")
+                if q == "int4":
+                    group_size = int4_group_size(cfg, group_size)
                 scheme = parse_quant(f"int4-g{group_size}" if q == "int4" else q)
                 dt = resolve_dtype(dtype, dev) if scheme.quantized or dtype else None
                 B = block_size or cfg.block_size or 4
                 context = bench_context(prompt_tokens, new_tokens, steps, B)
                 p = plan(cfg, scheme, context, dev, block_size=B, dtype=dt, _name=config_name)
-                _check_plan(p, dev)
+                _check_plan(p, dev, random_weights=True)
                 progress("initialising random weights", 0, 1)
                 with on_device(dev):
                     model = random_model(cfg, scheme, dev, dt, seed, progress)
@@ -330,7 +363,9 @@ def bench(model, model_path, config_name, random_weights, quant, group_size, dev
                 context = bench_context(prompt_tokens, new_tokens, steps, B)
                 # Planned before loading: against the free memory the model will take, not what it leaves.
                 p = plan(model_path, None, context, dev, block_size=B, dtype=resolve_dtype(dtype, dev))
-                engine = load_with_progress(model_path, device=dev, dtype=dtype, context=context)
+                _check_plan(p, dev, random_weights=False)
+                # Checked just now, with bench's advice: load's own check would repeat it with run's.
+                engine = load_with_progress(model_path, device=dev, dtype=dtype, context=context, check_memory=False)
                 model = engine.model
                 name, label = Path(model_path).name, p.scheme.label()
                 if engine.mask_token_id is None:

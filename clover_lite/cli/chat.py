@@ -29,13 +29,15 @@ from clover_lite.runtime.text_stream import TextStreamer
 
 PLACEHOLDER = "\u2591"  # one per masked position of the current block (dim)
 
-HELP = f"""\
-Type a message and press Enter; end a line with \\ to continue on the next one.
-The reply is denoised a block at a time: {PLACEHOLDER} marks a position still masked.
 
-  /set KEY VALUE   change a setting: threshold, block (block size), temperature, max (max tokens),
-                   top_p, top_k, seed, policy (threshold|fixed), steps (per block, fixed policy),
-                   confidence (prob|margin|entropy), commit (exact|reuse); /set alone lists them
+
+def chat_help(how: str, settings: str) -> str:
+    """/help's text: `how` the reply is written, `settings` what /set takes (the loop's own)."""
+    return f"""\
+Type a message and press Enter; end a line with \\ to continue on the next one.
+{how}
+
+  /set KEY VALUE   change a setting: {settings}; /set alone lists them
   /stats           statistics of the last reply and of the session
   /system TEXT     set the system message (/system alone shows it, /system none removes it)
   /reset           forget the conversation (the system message and settings stay)
@@ -45,6 +47,12 @@ The reply is denoised a block at a time: {PLACEHOLDER} marks a position still ma
 Ctrl-C stops the current reply after the denoising step under way (press it twice to stop at
 once): the part already shown is KEPT in the conversation as the assistant's answer (/reset to
 start over). Ctrl-C at the prompt clears the line; Ctrl-D (or /quit) leaves."""
+
+
+HELP = chat_help(f"The reply is denoised a block at a time: {PLACEHOLDER} marks a position still masked.",
+                 "threshold, block (block size), temperature, max (max tokens),\n"
+                 "                   top_p, top_k, seed, policy (threshold|fixed), confidence (prob|margin|entropy),\n"
+                 "                   steps (per block for the fixed policy), commit (exact|reuse)")
 
 # /set KEY -> GenerationConfig field
 SETTING_ALIASES = {
@@ -102,6 +110,8 @@ class CommandResult:
 
 class ChatSession:
     """Messages, system prompt and settings of one conversation; slash commands. No terminal I/O."""
+
+    help = HELP
 
     def __init__(self, engine, config: GenerationConfig | None = None, system: str | None = None):
         self.engine = engine
@@ -227,7 +237,7 @@ class ChatSession:
         if cmd in ("/quit", "/exit", "/bye", "/q"):
             return CommandResult(quit=True)
         if cmd in ("/help", "/?", "/h"):
-            return CommandResult(HELP)
+            return CommandResult(self.help)
         if cmd == "/reset":
             n = len(self.messages)
             self.messages.clear()
@@ -481,14 +491,18 @@ class ChatLoop:
     """Reads lines with `read_line(prompt)` (raises EOFError at the end of input, KeyboardInterrupt on
     Ctrl-C), runs slash commands, and streams replies from the session's engine into `view`."""
 
-    def __init__(self, session: ChatSession, read_line: Callable[[str], str], view, watch_fd: int | None = None):
-        """`watch_fd`: the terminal's input, watched for Ctrl-D during a reply (EofWatch); None: not watched."""
+    def __init__(self, session: ChatSession, read_line: Callable[[str], str], view, watch_fd: int | None = None,
+                 strict: bool = False):
+        """`watch_fd`: the terminal's input, watched for Ctrl-D during a reply (EofWatch); None: not watched.
+        `strict` (a script's piped input): run() returns 1 if a message or command failed."""
         self.session = session
         self.read_line = read_line
         self.view = view
         self.watch_fd = watch_fd
         self.typed_ahead: list[str] = []
         self.leaving = False
+        self.strict = strict
+        self.failed = 0  # messages and commands that ended in an error
 
     def _next_line(self, prompt: str) -> str:
         if self.typed_ahead:  # typed during the reply: already echoed by the terminal
@@ -504,12 +518,17 @@ class ChatLoop:
         parts.append(line)
         return "\n".join(parts)
 
+    def exit_status(self) -> int:
+        """0; 1 when strict and a message or command failed, so a script sees that a turn went wrong."""
+        return int(self.strict and self.failed > 0)
+
     def run(self) -> int:
+        """Chat until the input ends or /quit; the exit status (exit_status)."""
         while True:
             try:
                 text = self.read_message()
             except EOFError:
-                return 0
+                return self.exit_status()
             except KeyboardInterrupt:
                 self.view.cancelled()
                 continue
@@ -518,15 +537,17 @@ class ChatLoop:
             if text.lstrip().startswith("/"):
                 result = self.session.command(text)
                 if result.quit:
-                    return 0
+                    return self.exit_status()
+                self.failed += result.error
                 (self.view.error if result.error else self.view.info)(result.text)
                 continue
             try:
                 self.reply(text)
             except CloverError as e:
+                self.failed += 1
                 self.view.error(str(e))
             if self.leaving:  # Ctrl-D during the reply
-                return 0
+                return self.exit_status()
 
     def drive(self, events: Iterator, handle: Callable[[object], bool]) -> None:
         """Advance a reply's `events`, each passed to `handle` (True once the result has arrived). Ctrl-C stops it
@@ -650,4 +671,4 @@ def banner(engine) -> str:
             f"{engine.device} {dtype} \u00b7 /help for commands, Ctrl-D to leave")
 
 
-__all__ = ["ChatSession", "ChatLoop", "PlainView", "TerminalView", "ReplyStats", "CommandResult", "HELP"]
+__all__ = ["ChatSession", "ChatLoop", "PlainView", "TerminalView", "ReplyStats", "CommandResult", "HELP", "chat_help"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import fields, replace
 
-from clover_lite.cli.chat import ChatLoop, ChatSession, ReplyStats
+from clover_lite.cli.chat import ChatLoop, ChatSession, ReplyStats, chat_help
 from clover_lite.errors import CloverError, GenerationError
 from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaReply, TextEvent
 
@@ -31,6 +31,10 @@ SHOWN = ("max_new_tokens", "max_denoising_steps", "entropy_bound", "t_min", "t_m
 
 class CanvasChatSession(ChatSession):
     """A ChatSession whose settings are DiffusionGemma's; messages, commands and statistics as the base's."""
+
+    help = chat_help("The reply is written a canvas at a time: each canvas shows once it is denoised.",
+                     "max (max tokens), steps (denoising steps per canvas),\n"
+                     "                   entropy_bound, t_min, t_max, stability, confidence, seed")
 
     def __init__(self, engine, seed: int | None = None, max_new_tokens: int | None = None,
                  system: str | None = None):

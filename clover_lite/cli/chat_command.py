@@ -57,7 +57,8 @@ def chat(model, model_path, system, device, dtype, context, plain, **decoding) -
         view = PlainView(sys.stdout, sys.stderr, prompts=sys.stdin.isatty())
         read = _plain_input(sys.stderr if sys.stdin.isatty() else None)
     view.banner(title(engine))
-    code = loop_class(session, read, view, watch_fd=sys.stdin.fileno() if interactive else None).run()
+    code = loop_class(session, read, view, watch_fd=sys.stdin.fileno() if interactive else None,
+                      strict=not sys.stdin.isatty()).run()
     if interactive:
         view.console.print()
     sys.exit(code)

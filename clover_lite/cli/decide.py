@@ -30,7 +30,7 @@ def parse_question(text: str) -> tuple[str, list[str]]:
 @click.option("--mode", type=click.Choice(["joint", "sequential"]), default="joint", show_default=True,
               help="joint: all questions in the same denoising forwards; sequential: one after another.")
 @click.option("--threshold", type=float, default=0.9, show_default=True)
-@click.option("--block-size", type=int, default=None, help="Block size (default: the model's).")
+@click.option("--block-size", type=click.IntRange(min=1), default=None, help="Block size (default: the model's).")
 @click.option("--json", "as_json", is_flag=True, help="Print the decision as JSON.")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU).")
@@ -43,7 +43,7 @@ def decide(model, model_path, context_text, questions, mode, threshold, block_si
     if dup:
         raise click.UsageError(f"question {dup[0]!r} is given more than once; give each question its own name")
     if context_text == "-":
-        context_text = sys.stdin.read()
+        context_text = sys.stdin.read().removesuffix("\n").removesuffix("\r")  # the text, not its last newline
     try:
         engine = load_with_progress(model_argument(model, model_path), device=device, dtype=dtype)
         d = engine.decide(context_text, pairs, mode=mode, threshold=threshold, block_size=block_size)
@@ -55,15 +55,18 @@ def decide(model, model_path, context_text, questions, mode, threshold, block_si
                                "seconds": round(d.seconds, 4)}, indent=2))
         return
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+
+    def cell(text: str) -> str:  # user and model text, never read as rich markup ("[red]", "[/b]")
+        return escape(for_stream(text, sys.stdout))
 
     table = Table(title=f"{d.mode} decision: {d.forwards} forwards ({d.seconds * 1000:.0f} ms)")
     for col in ("question", "answer", "p(answer)", "options (p)", "settled"):
         table.add_column(col)
     for name, options in pairs:
         probs = d.probabilities[name]
-        table.add_row(for_stream(name, sys.stdout), for_stream(d.answers[name], sys.stdout),
-                      f"{probs[d.answers[name]]:.3g}",
-                      ", ".join(f"{for_stream(o, sys.stdout)} ({probs[o]:.2g})" for o in options),
+        table.add_row(cell(name), cell(d.answers[name]), f"{probs[d.answers[name]]:.3g}",
+                      ", ".join(f"{cell(o)} ({probs[o]:.2g})" for o in options),
                       str(d.order.index(name) + 1))
     Console().print(table)

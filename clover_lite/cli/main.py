@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import click
@@ -51,8 +52,17 @@ class CloverGroup(click.Group):
 
 @click.group(cls=CloverGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="clover-lite")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """clover-lite: run block-diffusion language models on one GPU (or slowly on a CPU)."""
+    # A library warning (e.g. a block size far from the trained one) is a note to the user, not a source line:
+    # for this command only (catch_warnings restores the handler when the command ends).
+    ctx.with_resource(warnings.catch_warnings())
+    warnings.showwarning = _warning_as_note
+
+
+def _warning_as_note(message, category, filename, lineno, file=None, line=None) -> None:
+    click.echo(f"note: {message}", err=True)
 
 
 def _is_model_dir(path: str) -> bool:
@@ -93,11 +103,17 @@ def run(words, model_path, raw, system, device, dtype, context, stats, **decodin
     from clover_lite.runtime.generation import DoneEvent, StepEvent
 
     model_path, prompt = run_arguments(words, model_path)
+    if raw and system is not None:
+        raise click.UsageError("--system is a chat-template turn and --raw skips the template; leave out one of them")
     if prompt == "-":
-        prompt = sys.stdin.read()
+        # `echo "..." | clover run -` means the line, not the line and a newline the model would then continue.
+        prompt = sys.stdin.read().removesuffix("\n").removesuffix("\r")
     try:
         engine = load_with_progress(model_path, diffusion_gemma=True, device=device, dtype=dtype, context=context)
         use_chat = not raw and engine.tokenizer is not None and engine.tokenizer.has_chat_template
+        if system is not None and not use_chat:
+            raise click.UsageError("--system needs the model's chat template, and this model has none; put the "
+                                   "instruction in the prompt instead")
         request = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}
         ] if use_chat else prompt
@@ -105,7 +121,8 @@ def run(words, model_path, raw, system, device, dtype, context, stats, **decodin
             return run_diffusion_gemma(engine, request, not use_chat, stats, decoding)
         decoding["stop"] = tuple(decoding["stop"])
         ids = engine.encode_prompt(request, raw=not use_chat)
-        decoding["max_new_tokens"] = fit_reply(len(ids), decoding["max_new_tokens"], engine.context_limit)
+        decoding["max_new_tokens"] = fit_reply(len(ids), decoding["max_new_tokens"], engine.context_limit,
+                                               engine.config.max_position_embeddings)
         streamer = TextStreamer(decoding["stop"])
         result = None
         for event in engine.stream(ids, **decoding):
@@ -154,13 +171,15 @@ def run_diffusion_gemma(engine, request, raw: bool, stats: bool, decoding: dict)
                    f"{r.tokens_per_forward:.2f} tokens/forward, finish: {r.finish_reason}]", err=True)
 
 
-def fit_reply(prompt_tokens: int, asked: int, context: int) -> int:
+def fit_reply(prompt_tokens: int, asked: int, context: int, model_limit: int) -> int:
     """The reply length that fits the context after the prompt (said on stderr when it is less than asked);
     only a prompt that fills the context by itself is refused."""
     room = context - prompt_tokens
     if room < 1:
+        longer = (f" (or load with a longer --context: the model takes up to {model_limit})"
+                  if context < model_limit else "")
         raise GenerationError(f"the prompt ({prompt_tokens} tokens) fills the {context}-token context by itself; "
-                              "shorten it (or load with a longer --context if the model allows)")
+                              f"shorten it{longer}")
     if asked > room:
         click.echo(f"note: the prompt is {prompt_tokens} tokens; the reply is limited to {room} tokens (asked "
                    f"{asked}) to fit the {context}-token context", err=True)
@@ -173,12 +192,13 @@ def fit_reply(prompt_tokens: int, asked: int, context: int) -> int:
 @click.option("--gpu", "gpus", multiple=True,
               help="A card to check (rtx3090, rtx4080, rtx4090, rtx5090, h200, gb300; repeatable): says what to change "
                    "if the model does not fit. Default: a fit table for every known card.")
-@click.option("--context", type=int, default=8192, show_default=True, help="Context length to plan for.")
+@click.option("--context", type=click.IntRange(min=1), default=None,
+              help="Context length to plan for (default: 8192, or the model's limit if that is shorter).")
 @click.option("--quant", "quants", multiple=True,
               help="Plan another format: bf16, fp16, fp32, int4 (GPTQ g128), int4-gG, nf4 (repeatable, to compare; "
                    "default: the checkpoint's).")
 @click.option("--quantize-lm-head", is_flag=True, help="With --quant int4/nf4: lm_head quantized too.")
-@click.option("--block-size", type=int, default=None, help="Block size (default: the model's).")
+@click.option("--block-size", type=click.IntRange(min=1), default=None, help="Block size (default: the model's).")
 @click.option("--json", "as_json", is_flag=True, help="The plan as JSON instead of tables.")
 def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> None:
     """A model's architecture, parameters and memory plan (nothing is loaded).
@@ -226,6 +246,10 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
         schemes = [memory.parse_quant(q) for q in quants] or [memory.parse_quant(stored)]
         if quantize_lm_head:
             schemes = [s.replace(lm_head=True) if s.quantized else s for s in schemes]
+        if dg is None:
+            check_group_sizes(model, schemes)
+        if context is None:
+            context = min(DEFAULT_PLAN_CONTEXT, config.max_position_embeddings)
         cards = [devices.normalize_gpu_name(g) or g for g in gpus]
         unknown = [g for g in cards if g not in devices.KNOWN_GPUS]
         if unknown:
@@ -270,6 +294,24 @@ def info(path, gpus, context, quants, quantize_lm_head, block_size, as_json) -> 
                           highlight=False, style="green" if q.fits() else "red")
             for s in q.suggestions():
                 console.print(f"  - {s}", markup=False, highlight=False)
+
+
+DEFAULT_PLAN_CONTEXT = 8192
+
+
+def check_group_sizes(model, schemes) -> None:
+    """CloverError for an INT4 group size that does not divide every layer `clover quantize` would pack."""
+    from clover_lite.quant.checks import fitting_group_sizes, linear_shapes
+    from clover_lite.quant.options import QuantizeOptions
+
+    for s in schemes:
+        if s.kind != "int4" or s.group_size == -1:
+            continue
+        shapes = linear_shapes(model, QuantizeOptions(quantize_lm_head=s.lm_head))
+        if any(k % s.group_size for _, k in shapes.values()):
+            fits = ", ".join(f"int4-g{g}" for g in fitting_group_sizes(shapes)) or "none of 128/64/32/16"
+            raise CloverError(f"int4-g{s.group_size}: group size {s.group_size} does not divide every layer of "
+                              f"this model; groups that do: {fits}, or int4-g-1 (per channel)")
 
 
 def denoiser_info_rows(c, total: int, active: int, weights: str) -> list[tuple[str, str]]:

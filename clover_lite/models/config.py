@@ -226,8 +226,8 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelC
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"{source}: unknown model_type '{str(model_type)[:60]}'. clover-lite runs "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}; convert the checkpoint to one of these or open an issue for "
-            "the architecture."
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} and diffusion_gemma; convert the checkpoint to one of these or "
+            "open an issue for the architecture."
         )
 
     outer = raw
@@ -456,6 +456,8 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
 
 
 def _read_json(file: Path) -> Any:
+    if not file.is_file():
+        raise ConfigError(f"{file}: not a file; it should be the model's JSON configuration")
     try:
         return json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -91,7 +91,7 @@ def fitted_scheme(c: DiffusionGemmaConfig, scheme: QuantScheme) -> QuantScheme:
     ks = [k for k, _ in quantized_shapes(c)]
     if scheme.group_size == -1 or all(k % scheme.group_size == 0 for k in ks):
         return scheme
-    from clover_lite.quant.pipeline import GROUP_SIZES  # what `clover quantize` picks from
+    from clover_lite.quant.checks import GROUP_SIZES  # what `clover quantize` picks from
 
     fits = [g for g in GROUP_SIZES if all(k % g == 0 for k in ks)]
     return scheme.replace(group_size=fits[0] if fits else -1)

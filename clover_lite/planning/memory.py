@@ -64,7 +64,11 @@ def parse_quant(quant: str | dict | QuantScheme | None) -> QuantScheme:
     if q in ("int4", "gptq", "w4a16"):
         return QuantScheme("int4")
     if q.startswith("int4-g") and q[6:].lstrip("-").isdigit():
-        return QuantScheme("int4", group_size=int(q[6:]))
+        g = int(q[6:])
+        if g < 1 and g != -1:
+            raise CloverError(f"'{quant}': the group size must be positive (e.g. int4-g128), or -1 for one group per "
+                              "channel (int4-g-1)")
+        return QuantScheme("int4", group_size=g)
     if q == "nf4":
         return QuantScheme("nf4")
     raise CloverError(f"unknown quantization '{quant}'; use bf16, fp16, fp32, int4 (GPTQ g128), int4-gG or nf4")

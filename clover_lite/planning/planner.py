@@ -166,7 +166,7 @@ def meta_model(config: ModelConfig | str, quant: str | dict | QuantScheme | None
     from clover_lite.checkpoint.load import install_quantized_modules
     from clover_lite.models.denoiser import Denoiser
     from clover_lite.models.moe import SparseMoE
-    from clover_lite.quant.pipeline import layer_targets
+    from clover_lite.quant.checks import layer_targets
 
     cfg = named_config(config) if isinstance(config, str) else config
     scheme = parse_quant(quant)
@@ -219,8 +219,9 @@ def ram_warning(p: MemoryPlan) -> str | None:
     cap = p.target.capacity if p.target is not None and not p.target.gpu else 0
     if not cap or p.total <= RAM_WARN_FRACTION * cap:
         return None
+    smaller = "a smaller --context" + ("" if p.scheme.quantized else " or an INT4 model")
     return (f"this needs about {_gb(p.total)} of the {_gb(cap)} of RAM available now: the machine may swap, "
-            "or the process be killed; close other programs, or use a smaller --context or an INT4 model")
+            f"or the process be killed; close other programs, or use {smaller}")
 
 
 def check_load(path: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,

@@ -63,15 +63,19 @@ def heldout_texts(limit_bytes: int = 1_000_000) -> list[str]:
     return _read_until(_split()[1], limit_bytes)
 
 
-def read_calibration_file(path: str | os.PathLike) -> list[str]:
-    """Plain text (one document) or JSONL (one document per line: "text", or "messages" joined)."""
+def read_calibration_file(path: str | os.PathLike, what: str = "calibration file (--calib)") -> list[str]:
+    """Plain text (one document) or JSONL (one document per line: "text", or "messages" joined). `what` names
+    the file in errors (`clover eval` reads its held-out text through here too)."""
     p = Path(path)
     if not p.exists():
-        raise CloverError(f"{p}: calibration file not found")
-    raw = p.read_text(encoding="utf-8", errors="replace")
+        raise CloverError(f"{p}: {what} not found")
+    try:
+        raw = p.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:  # a directory, no permission
+        raise CloverError(f"{p}: cannot read the {what}: {e.strerror or e}") from e
     if p.suffix.lower() not in (".jsonl", ".ndjson"):
         if not raw.strip():
-            raise CloverError(f"{p}: calibration file is empty")
+            raise CloverError(f"{p}: {what} is empty")
         return [raw]
     texts = []
     for n, line in enumerate(raw.splitlines(), 1):
@@ -90,7 +94,7 @@ def read_calibration_file(path: str | os.PathLike) -> list[str]:
         else:
             raise CloverError(f'{p}:{n}: expected a string or an object with "text" or "messages"')
     if not texts:
-        raise CloverError(f"{p}: no documents in calibration file")
+        raise CloverError(f"{p}: no documents in the {what}")
     return texts
 
 

@@ -50,19 +50,17 @@ from clover_lite.models.diffusion_gemma import DiffusionGemma, GemmaLayer, encod
 from clover_lite.models.diffusion_gemma_config import DiffusionGemmaConfig, load_diffusion_gemma_config
 from clover_lite.models.layers import ACTIVATIONS
 from clover_lite.quant.calibration import calibration_ids
+from clover_lite.quant.checks import SAFETENSORS_TO_TORCH, check_linear_shapes, check_seqlen, scan_finite
+from clover_lite.quant.options import QuantizationError, QuantizeOptions
 from clover_lite.quant.pipeline import (
     ACTS_FILE,
-    SAFETENSORS_TO_TORCH,
     STATE_FILE,
     LayerStats,
-    QuantizationError,
-    QuantizeOptions,
     QuantizeReport,
     Run,
     _check_finite,
     _new_state,
     calibration_stream,
-    check_linear_shapes,
     finish_run,
     quantize_experts,
     quantize_linears,
@@ -128,6 +126,7 @@ def prepare_diffusion_gemma(src: Path, options: QuantizeOptions) -> tuple[Quanti
                                 "a plain weight (the embeddings, which the self-conditioning also reads, when tied "
                                 "as released) and stays 16-bit; leave the flag out")
     config = load_diffusion_gemma_config(src)
+    check_seqlen(options, config.max_position_embeddings)
     headers, files = read_headers(src)
     if read_quant_config(src) is not None:
         raise QuantizationError(f"{src} is already quantized; quantize from the 16-bit checkpoint")
@@ -135,6 +134,7 @@ def prepare_diffusion_gemma(src: Path, options: QuantizeOptions) -> tuple[Quanti
     plan, files, _ = plan_weights(model, src, headers)  # validates the whole checkpoint from its headers
     options = check_linear_shapes(linear_shapes(model), options)
     canvas_split(config, options.seqlen)
+    scan_finite(plan.values())  # before any layer is quantized, as the block denoisers' sources are
     src_bytes = sum(f.stat().st_size for f in files)
     acts_bytes = 4 * options.nsamples * options.seqlen * config.hidden_size
 
@@ -213,9 +213,7 @@ def _layer_stats(layer: GemmaLayer, options: QuantizeOptions, device: torch.devi
 def _materialize(model: DiffusionGemma, plan: dict, prefix: str, device: torch.device) -> None:
     """Allocate the module at `prefix` (our name) on the device and read its tensors."""
     model.get_submodule(prefix).to_empty(device=device)
-    copy_weights(model, plan, only=lambda n: n.startswith(prefix + "."))
-    for name, p in model.get_submodule(prefix).named_parameters():
-        _check_finite(p, f"{prefix}.{name}")
+    copy_weights(model, plan, only=lambda n: n.startswith(prefix + "."))  # scanned for NaN/Inf up front
 
 
 def _first_activations(model: DiffusionGemma, plan: dict, src: Path, options: QuantizeOptions,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from clover_lite.errors import CloverError
+from clover_lite.models.config import ModelConfig
 from clover_lite.quant.calibration import heldout_texts, read_calibration_file, token_stream
 from clover_lite.runtime.engine import Engine, on_device
 
@@ -29,6 +30,14 @@ class EvalResult:
         return dict(self.__dict__)
 
 
+def check_window(config: ModelConfig, seqlen: int) -> None:
+    """An evaluation window is one forward over `seqlen` positions: past the model's context it is out of the
+    model's range, and its attention would ask for memory by the square of its length, so it is refused."""
+    if seqlen > config.max_position_embeddings:
+        raise CloverError(f"--seqlen {seqlen} is longer than the model's context (max_position_embeddings "
+                          f"{config.max_position_embeddings}); use --seqlen {config.max_position_embeddings} or less")
+
+
 def eval_windows(engine: Engine, text_file: str | None, nsamples: int, seqlen: int, seed: int,
                  block_size: int, mask_ratios: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids with the last block masked [n, seqlen], bool mask of the masked positions)."""
@@ -36,7 +45,7 @@ def eval_windows(engine: Engine, text_file: str | None, nsamples: int, seqlen: i
         raise CloverError("evaluation needs the model's tokenizer")
     if engine.mask_token_id is None:
         raise CloverError("evaluation needs the model's mask token")
-    texts = read_calibration_file(text_file) if text_file else heldout_texts()
+    texts = read_calibration_file(text_file, what="evaluation text (--text)") if text_file else heldout_texts()
     stream = token_stream(engine.tokenizer, texts, (engine.eos_token_ids or [None])[0])
     if len(stream) < seqlen + 1:
         raise CloverError(f"held-out text has {len(stream)} tokens, fewer than one window of {seqlen}")
@@ -88,7 +97,11 @@ def evaluate(
     mask_ratios: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0),
     batch: int = 8,
 ) -> EvalResult:
+    if nsamples < 1 or seqlen < 1:
+        raise CloverError(f"--nsamples ({nsamples}) and --seqlen ({seqlen}) must be at least 1")
+    check_window(engine.config, seqlen)
     if reference is not None:
+        check_window(reference.config, seqlen)
         _check_comparable(engine, reference)
     block = block_size or engine.config.block_size or 4
     ids, masked = eval_windows(engine, text_file, nsamples, seqlen, seed, block, mask_ratios)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from clover_lite.errors import CloverError
 from clover_lite.quant.rtn import QuantizedWeight, QuantSpec, find_params, quantize_to_int
 
 
@@ -93,7 +94,8 @@ def gptq_quantize(
         L = torch.linalg.cholesky(Hs)
         Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
     except RuntimeError as e:  # torch raises a LinAlgError (a RuntimeError) for non-PD matrices
-        raise ValueError(f"Hessian is not positive definite even after damping ({e}); raise damp_percent") from e
+        # A CloverError: `clover quantize` reports it in one line (not a traceback) and removes its partial output.
+        raise CloverError(f"a Hessian is not positive definite even after damping ({e}); raise --damp-percent") from e
 
     Q = torch.zeros_like(W)
     G = K // glen

@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,54 +46,25 @@ from clover_lite.models.diffusion_gemma_config import is_diffusion_gemma_dir
 from clover_lite.models.moe import SparseMoE
 from clover_lite.models.quantized import NF4Linear, QuantExperts, QuantLinear, gptq_experts, nf4_experts
 from clover_lite.quant.calibration import calibration_ids, read_calibration_file, stdlib_texts, token_stream
+from clover_lite.quant.checks import (
+    SAFETENSORS_TO_TORCH,
+    check_nf4_shapes,
+    check_options,
+    check_seqlen,
+    check_shapes,
+    layer_targets,
+    linear_shapes,
+    scan_finite,
+)
 from clover_lite.quant.gptq import HessianAccumulator, gptq_quantize, weighted_error
 from clover_lite.quant.nf4 import quantize_nf4
-from clover_lite.quant.pack import PACK
-from clover_lite.quant.rtn import QuantizedWeight, QuantSpec, quantize_rtn
+from clover_lite.quant.options import QuantizationError, QuantizeOptions
+from clover_lite.quant.rtn import QuantizedWeight, quantize_rtn
 from clover_lite.tokenizer.tokenizer import Tokenizer
 
-METHODS = ("gptq", "rtn", "nf4")
 COPIED_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "chat_template.jinja",
                 "special_tokens_map.json", "generation_config.json", "added_tokens.json", "vocab.json", "merges.txt")
-SAFETENSORS_TO_TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-
-
-class QuantizationError(CloverError):
-    """Quantization cannot go on (non-finite weights or activations, impossible settings)."""
-
-
-@dataclass(frozen=True)
-class QuantizeOptions:
-    method: str = "gptq"  # gptq | rtn | nf4 (bitsandbytes NF4, no calibration: the baseline)
-    group_size: int | None = 128  # -1: per-channel; None: the largest of GROUP_SIZES that fits
-    sym: bool = True
-    act_order: bool = True
-    static_groups: bool = True
-    damp_percent: float = 0.01
-    checkpoint_format: str = "gptq"  # gptq (v1) | gptq_v2
-    quantize_lm_head: bool = False
-    nsamples: int = 128
-    seqlen: int = 512
-    seed: int = 0
-    calib: str | None = None  # text / JSONL file; None: the standard library's sources
-    calibration: str = "diffusion"  # diffusion | clean
-    moe_calibration: str = "all"  # all: every token through every expert for statistics | routed
-    min_expert_samples: int = 16
-    block_size: int | None = None  # calibration block size (default: the model's)
-    batch_size: int = 8  # calibration samples per forward
-    expert_chunk: int = 16  # experts quantized together (bounds the temporaries)
-    device: str = "cpu"
-    nf4_blocksize: int = 64
-
-    @property
-    def spec(self) -> QuantSpec:
-        return QuantSpec(self.group_size, self.sym, self.checkpoint_format)
-
-    def fingerprint(self) -> str:
-        """What must match for a resumed run to produce the same output (device and batch do not change it
-        in principle, but a resumed run must reproduce the same bytes, so they count)."""
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -105,76 +76,8 @@ class QuantizeReport:
     error_by_kind: dict[str, float]
     fallback_experts: list[str]
     layers: list[dict] = field(default_factory=list)
-    group_size: int = 128  # as used (the one chosen when the options left it open)
-
-
-# ---- what to quantize in a layer ----------------------------------------------------------------
-def layer_targets(layer: torch.nn.Module) -> list[tuple[str, str, str]]:
-    """(module name, kind, input group) for every linear to quantize; linears of one input group see the
-    same input, so they share one Hessian. Router gates, GDN's tiny b/a projections and the shared
-    expert's scalar gate stay in 16-bit."""
-    t = []
-    if hasattr(layer, "self_attn"):
-        t += [(f"self_attn.{n}", "attention", "attn_in") for n in ("q_proj", "k_proj", "v_proj")]
-        t += [("self_attn.o_proj", "attention", "attn_out")]
-    else:
-        t += [(f"linear_attn.{n}", "gdn", "gdn_in") for n in ("in_proj_qkv", "in_proj_z")]
-        t += [("linear_attn.out_proj", "gdn", "gdn_out")]
-    if isinstance(layer.mlp, SparseMoE):
-        if layer.mlp.shared_expert is not None:
-            t += [(f"mlp.shared_expert.{n}", "shared_expert", "mlp_in") for n in ("gate_proj", "up_proj")]
-            t += [("mlp.shared_expert.down_proj", "shared_expert", "shared_down")]
-    else:
-        t += [(f"mlp.{n}", "dense", "mlp_in") for n in ("gate_proj", "up_proj")]
-        t += [("mlp.down_proj", "dense", "dense_down")]
-    return t
-
-
-GROUP_SIZES = (128, 64, 32, 16)  # what `group_size=None` tries, in order: 128 is the format's usual choice
-
-
-def linear_shapes(model: Denoiser, options: QuantizeOptions) -> dict[str, tuple[int, int]]:
-    """(out, in) features of every linear to quantize, by name."""
-    c = model.config
-    shapes = {}
-    for i, layer in enumerate(model.layers):
-        for name, _, _ in layer_targets(layer):
-            lin = layer.get_submodule(name)
-            shapes[f"layers.{i}.{name}"] = (lin.out_features, lin.in_features)
-        if isinstance(layer.mlp, SparseMoE):
-            shapes[f"layers.{i}.mlp.experts.*.gate_proj"] = (c.moe_intermediate_size, c.hidden_size)
-            shapes[f"layers.{i}.mlp.experts.*.down_proj"] = (c.hidden_size, c.moe_intermediate_size)
-    if options.quantize_lm_head:
-        shapes["lm_head"] = (c.vocab_size, c.hidden_size)
-    return shapes
-
-
-def fitting_group_sizes(shapes: dict[str, tuple[int, int]]) -> list[int]:
-    return [g for g in GROUP_SIZES if all(k % g == 0 for _, k in shapes.values())]
-
-
-def check_shapes(model: Denoiser, options: QuantizeOptions) -> QuantizeOptions:
-    """Fail before any work if a linear cannot be packed with these settings; the options with the group
-    size chosen when it was left to us (None: the first of GROUP_SIZES that divides every layer)."""
-    return check_linear_shapes(linear_shapes(model, options), options)
-
-
-def check_linear_shapes(shapes: dict[str, tuple[int, int]], options: QuantizeOptions) -> QuantizeOptions:
-    """check_shapes on (out, in) features by name (any model's linears)."""
-    for name, (n, k) in shapes.items():
-        if k % PACK or n % PACK:
-            raise QuantizationError(f"{name} is {n} x {k}: INT4 GPTQ packing needs both divisible by {PACK}")
-    fits = fitting_group_sizes(shapes)
-    if options.group_size is None:
-        return replace(options, group_size=fits[0] if fits else -1)
-    for name, (_, k) in shapes.items():
-        if options.group_size != -1 and k % options.group_size:
-            choices = ", ".join(str(g) for g in fits) + (" or " if fits else "") + "-1 (per-channel)"
-            raise QuantizationError(
-                f"{name} has {k} input features, not a multiple of group size {options.group_size}; "
-                f"pass --group-size {choices}, which divide every layer of this model"
-            )
-    return options
+    group_size: int | None = 128  # as used (the one chosen when the options left it open); None for NF4
+    nf4_blocksize: int | None = None  # NF4's block (weights per absmax), as written to quantize_config.json
 
 
 # ---- statistics -----------------------------------------------------------------------------------
@@ -439,10 +342,7 @@ def quantize_model(
     quant/diffusion_gemma.quantize_diffusion_gemma passes its own); default: the block denoisers'."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
-    if options.method not in METHODS:
-        raise QuantizationError(f"unknown method '{options.method}'; use one of {METHODS}")
-    if options.moe_calibration not in ("all", "routed"):
-        raise QuantizationError(f"moe_calibration must be 'all' or 'routed', got '{options.moe_calibration}'")
+    options = check_options(options)
     if resume and restart:
         raise QuantizationError("--resume continues the unfinished run and --restart discards it: pass one")
     # Before anything is read or written: OUT must not hold someone else's files nor touch the source.
@@ -492,10 +392,18 @@ def _prepare(src: Path, options: QuantizeOptions) -> tuple[QuantizeOptions, int,
     ckpt = Checkpoint(src)
     if ckpt.quant_config is not None:
         raise QuantizationError(f"{src} is already quantized; quantize from the 16-bit checkpoint")
+    check_seqlen(options, config.max_position_embeddings)
     device = torch.device(options.device)
     model = build_model(config, device, torch.float32, materialize=False)  # all on meta: nothing allocated
     plans, _, _ = plan_checkpoint(model, ckpt)  # validates the whole checkpoint from its headers
-    options = check_shapes(model, options)
+    if options.quantize_lm_head and config.tie_word_embeddings:
+        raise QuantizationError("--quantize-lm-head: this model ties lm_head to its embeddings "
+                                "(tie_word_embeddings), which stay 16-bit; leave the flag out")
+    if options.method == "nf4":
+        check_nf4_shapes(linear_shapes(model, options), options.nf4_blocksize)
+    else:
+        options = check_shapes(model, options)
+    scan_finite(ckpt.headers[name] for name in plans)  # what the model reads, scanned as load scans it
     # About the packed layers plus the 16-bit rest, and the activations kept for --resume.
     src_bytes = sum(f.stat().st_size for f in ckpt.files)
     acts_bytes = 0 if options.method == "nf4" else 4 * options.nsamples * options.seqlen * config.hidden_size
@@ -568,7 +476,6 @@ def _quantize_into(src: Path, out: Path, options: QuantizeOptions, t0: float, co
         ids = calibration_batch(src, config, options, block).to(device)
         model.embed_tokens.to_empty(device=device)
         copy_tensors(model, ckpt, plans, only=lambda n: n == "embed_tokens.weight")
-        _check_finite(model.embed_tokens.weight, "model.embed_tokens.weight")
         with torch.no_grad():
             acts = model.embed_tokens(ids).float()
         model.embed_tokens.to(device="meta")
@@ -581,9 +488,7 @@ def _quantize_into(src: Path, out: Path, options: QuantizeOptions, t0: float, co
         lt = time.perf_counter()
         layer = model.layers[i].to_empty(device=device)
         prefix = f"layers.{i}."
-        copy_tensors(model, ckpt, plans, only=lambda n, p=prefix: n.startswith(p))
-        for name, p in layer.named_parameters():
-            _check_finite(p, f"model.{prefix}{name}")
+        copy_tensors(model, ckpt, plans, only=lambda n, p=prefix: n.startswith(p))  # scanned in _prepare
         if nf4:
             quantize_layer_nf4(layer, options, device)
             summary, layer_fallbacks = {}, []
@@ -646,7 +551,8 @@ def finish_run(partial: Path, out: Path, src: Path, config: ModelConfig | None, 
         error_by_kind=error_by_kind,
         fallback_experts=fallbacks,
         layers=state["layers"],
-        group_size=options.group_size,
+        group_size=None if options.method == "nf4" else options.group_size,
+        nf4_blocksize=options.nf4_blocksize if options.method == "nf4" else None,
     )
 
 

@@ -4,10 +4,14 @@ The open-ended loop (`generation.denoise`) is the case "prompt tail, then masks"
 canvas holds given tokens (template text, which never changes) and masked slot positions, which are denoised
 together with the same cache, steps and one commit per block (docs/ARCHITECTURE.md section 9):
 
-- a choice slot is decided whole: in a forward each of its options scores the sum of its tokens'
-  log-probabilities at the slot's positions in the block (full-vocabulary softmax; the end-token padding of a
-  shorter option is not part of it), the best option is the candidate, and its confidence is its share of the
-  options' probability; committing it writes all its positions, those in later blocks included;
+- a choice slot is decided block by block, as a block decoder must: in a forward its still-possible options
+  are grouped by what they write at the slot's positions in this block (their tokens, then the end token that
+  pads a shorter option to the slot's length: the canvas holds it afterwards), each group scores the summed
+  log-probability of those tokens (full-vocabulary softmax), the best group (or one sampled, at a temperature)
+  is the candidate, its confidence its share of the groups' probability; committing it writes the slot's
+  positions in this block only, and the slot's options narrow to that group, which compete on their next
+  positions in the next block (conditioned on the committed block). A slot inside one block is decided whole,
+  its options ranked by the probability of all they write;
 - a free slot is open text, position by position; once it commits an end token, its later positions take the
   end token without a forward;
 - `joint` scores every masked position of the block in each forward and commits by the policy, a choice slot
@@ -39,8 +43,10 @@ class CanvasResult:
 
     tokens: list[int]
     slot_tokens: dict[str, list[int]]
-    # Per choice slot, each option's probability: the product of its tokens' probabilities (full-vocabulary
-    # softmax) in the forward that decided the slot.
+    # Per choice slot, each option's probability: the product over the blocks it was scored in of the probability
+    # of what it writes at the slot's positions there (its tokens and end-token padding, full-vocabulary softmax)
+    # in the forward that decided those positions. An option dropped in a block keeps the product up to that
+    # block (the one that dropped it included); the answer's is the probability of the slot's final tokens.
     option_probabilities: dict[str, dict[str, float]]
     order: list[str]  # slots in the order they were completed
     forwards: int = 0  # denoising forwards (steps)
@@ -57,6 +63,18 @@ class _Candidate:
     confidence: float
     writes: list[tuple[int, int]]  # (canvas position, token)
     slot: int | None = None  # choice slot index
+    keep: list[int] = field(default_factory=list)  # a choice's options that remain possible once committed
+    scored: dict[int, float] = field(default_factory=dict)  # a choice's options: log-probability in this block
+
+
+@dataclass
+class _Choice:
+    """A choice slot while it is filled: its options as written (padded to the slot's length), the ones still
+    possible, and each option's log-probability summed over the blocks it was scored in."""
+
+    padded: list[list[int]]
+    alive: list[int]
+    logp: list[float]
 
 
 def fill_canvas(
@@ -86,6 +104,15 @@ def fill_canvas(
     end_ids = set(eos_token_ids) | ({end_token_id} if end_token_id is not None else set())
     where = canvas.slot_at()
     tokens: list[int | None] = list(canvas.tokens)
+    choices: dict[int, _Choice] = {}
+    for k, s in enumerate(canvas.slots):
+        if s.options is not None:
+            assert s.option_ids is not None
+            if canvas.end_token_id is None and len({len(ids) for ids in s.option_ids}) > 1:
+                raise GenerationError(f"slot {s.name!r}: its options have different token lengths and there is no "
+                                      "end token to pad the shorter ones; make them the same length")
+            choices[k] = _Choice(padded=s.padded(canvas.end_token_id), alive=list(range(len(s.options))),
+                                 logp=[0.0] * len(s.options))
     generator = None
     if cfg.temperature > 0:
         generator = torch.Generator(device=runner.device)
@@ -123,8 +150,7 @@ def fill_canvas(
                 before = (list(prompt_ids) + [int(t) for t in tokens[: max(start - P, 0)]])[:start]
                 raise nonfinite_error(runner, before, ids, masked, start)
             rows = [start + i - P for i in masked]  # canvas positions of the logits' rows
-            candidates = _candidates(logits, rows, where, canvas, cfg, mask_token_id, generator, chooser,
-                                     result.option_probabilities)
+            candidates = _candidates(logits, rows, where, canvas, cfg, mask_token_id, generator, chooser, choices)
             if mode == "joint":
                 conf = torch.tensor([cand.confidence for cand in candidates])
                 picked = [candidates[i] for i in select_positions(conf, cfg, step_in_block).tolist()]
@@ -135,6 +161,11 @@ def fill_canvas(
                 for c, t in cand.writes:
                     if tokens[c] is None:
                         committed_now += write(c, t)
+                if cand.slot is not None:  # this block's factor, and the options that remain
+                    choice = choices[cand.slot]
+                    for o, v in cand.scored.items():
+                        choice.logp[o] += v
+                    choice.alive = cand.keep
             result.forwards += 1
             step_in_block += 1
             result.steps.append(sorted(committed_now))
@@ -148,6 +179,10 @@ def fill_canvas(
     result.tokens = [int(t) for t in tokens]
     result.slot_tokens = {s.name: result.tokens[s.start : s.start + s.length] for s in canvas.slots}
     result.order = [name for name, _ in sorted(done_at.items(), key=lambda kv: kv[1])]
+    result.option_probabilities = {  # each option's product over the blocks it was scored in
+        canvas.slots[k].name: dict(zip(canvas.slots[k].options, map(math.exp, choice.logp), strict=True))
+        for k, choice in choices.items()
+    }
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -159,10 +194,11 @@ def _block(prompt_ids: Sequence[int], tokens: list[int | None], start: int, end:
 
 
 def _candidates(logits, rows, where, canvas, cfg, mask_token_id, generator, chooser,
-                probabilities) -> list[_Candidate]:
-    """One candidate per masked free position (the engine's chooser over the vocabulary) and per undecided
-    choice slot with positions in this block (its best option, or one sampled at temperature > 0). Records each
-    scored slot's option probabilities in `probabilities` (the last forward's stand: the one that decides it)."""
+                choices: dict[int, _Choice]) -> list[_Candidate]:
+    """One candidate per masked free position (the engine's chooser over the vocabulary) and per choice slot with
+    masked positions in this block: its still-possible options grouped by what they write at those positions,
+    each group scored by those tokens' summed log-probability; the best group (or one sampled at temperature > 0)
+    with its share of the groups' probability as confidence, writing those positions only."""
     out: list[_Candidate] = []
     free = [r for r, c in enumerate(rows) if canvas.slots[where[c][0]].options is None]
     if free:
@@ -177,20 +213,25 @@ def _candidates(logits, rows, where, canvas, cfg, mask_token_id, generator, choo
         return out
     logp = torch.log_softmax(logits.float(), dim=-1)
     for k, slot_rows in by_slot.items():
-        s = canvas.slots[k]
-        here = {where[rows[r]][1]: r for r in slot_rows}  # index in the slot -> logits row
-        scores = torch.tensor([
-            sum(float(logp[here[j], t]) for j, t in enumerate(ids) if j in here) for ids in s.option_ids
-        ], dtype=torch.float64)
-        probabilities[s.name] = {o: math.exp(float(v)) for o, v in zip(s.options, scores, strict=True)}
+        s, choice = canvas.slots[k], choices[k]
+        here = sorted((where[rows[r]][1], r) for r in slot_rows)  # (index in the slot, logits row)
+        groups: dict[tuple[int, ...], list[int]] = {}  # what is written here -> the options writing it
+        for o in choice.alive:
+            groups.setdefault(tuple(choice.padded[o][j] for j, _ in here), []).append(o)
+        keys = list(groups)
+        lp = logp[torch.tensor([r for _, r in here], device=logp.device)]  # (positions here, vocabulary)
+        written = torch.tensor(keys, dtype=torch.long, device=logp.device)  # (groups, positions here)
+        scores = lp[torch.arange(len(here), device=logp.device).unsqueeze(0), written].double().sum(dim=1).cpu()
         share = torch.softmax(scores / cfg.temperature if cfg.temperature > 0 else scores, dim=0)
         if cfg.temperature > 0:
             best = int(torch.multinomial(share.float().to(generator.device), 1, generator=generator))
         else:
             best = int(share.argmax())
-        padded = s.padded(canvas.end_token_id)[best]
-        out.append(_Candidate(first=s.start, confidence=float(share[best]), slot=k,
-                              writes=[(s.start + j, t) for j, t in enumerate(padded)]))
+        out.append(_Candidate(
+            first=s.start + here[0][0], confidence=float(share[best]), slot=k,
+            writes=[(s.start + j, t) for (j, _), t in zip(here, keys[best], strict=True)], keep=groups[keys[best]],
+            scored={o: float(v) for key, v in zip(keys, scores.tolist(), strict=True) for o in groups[key]},
+        ))
     return out
 
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from clover_lite.errors import GenerationError
+from clover_lite.runtime.template import check_options
 
 Questions = Mapping[str, Sequence[str]] | Sequence[tuple[str, Sequence[str]]]
 
@@ -72,7 +73,8 @@ def question_list(questions: Questions) -> list[tuple[str, list[str]]]:
         seen.add(name)
         if isinstance(options, str) or not isinstance(options, Sequence):
             raise GenerationError(f"question {name!r}: options must be a list of strings, not {options!r}")
-        bad = [o for o in options if not isinstance(o, str) or "\n" in o]
+        check_options(name, list(options))
+        bad = [o for o in options if "\n" in o]
         if bad:
             raise GenerationError(f"question {name!r}: option {bad[0]!r} is not a one-line string")
         out.append((name, list(options)))

@@ -12,9 +12,16 @@ from clover_lite.errors import CloverError
 def resolve_device(device: str | torch.device) -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise CloverError(f"unknown device {device!r}: clover-lite runs on 'cpu' or 'cuda' ('cuda:N' for one GPU "
+                          "of several); 'auto' picks CUDA when there is one")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CloverError(f"device '{device}' requested but CUDA is not available here; use device='cpu' or 'auto'")
+        raise CloverError(f"device '{device}' requested but CUDA is not available here; use the CPU (device "
+                          "'cpu', --device cpu) or 'auto'")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         n = torch.cuda.device_count()
         raise CloverError(f"device '{device}' requested but this machine has {n} CUDA device{'s' * (n != 1)} "

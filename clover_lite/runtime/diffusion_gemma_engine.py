@@ -29,6 +29,8 @@ from clover_lite.runtime.diffusion_gemma_loop import (
     settings_from_generation_config,
     stream,
 )
+from clover_lite.runtime.exclusive import OneAtATime
+from clover_lite.runtime.generation import check_seed
 from clover_lite.runtime.prompt import prompt_ids
 from clover_lite.tokenizer.tokenizer import Tokenizer
 
@@ -55,6 +57,7 @@ class DiffusionGemmaEngine:
                  settings: DiffusionGemmaSettings, report: DiffusionGemmaLoadReport):
         self.path, self.model, self.tokenizer, self.settings, self.report = path, model, tokenizer, settings, report
         self.session = Session()  # one conversation's prefix cache, reused while prompts extend it
+        self._turns = OneAtATime()  # the session is shared: one generation at a time, as Engine
 
     @property
     def context_limit(self) -> int:
@@ -87,26 +90,43 @@ class DiffusionGemmaEngine:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer else ""
 
     def stream(self, prompt: str | Sequence[int] | Sequence[dict[str, Any]], *, raw: bool = False,
-               seed: int | None = None, images: Any = None, **overrides: Any
+               seed: int | None = None, images: Any = None, wait: float | None = None, **overrides: Any
                ) -> Iterator[TextEvent | DiffusionGemmaReply]:
         """TextEvents per step and per canvas, then the DiffusionGemmaReply. The engine's session keeps the
-        prefix cache: a follow-up whose token ids extend the last conversation encodes only what is new."""
+        prefix cache: a follow-up whose token ids extend the last conversation encodes only what is new. One
+        generation at a time, as on Engine: another caller waits (at most `wait` seconds, then
+        EngineBusyError), and a stream left unadvanced while someone waits is taken over."""
         unknown = set(overrides) - set(DiffusionGemmaSettings.__dataclass_fields__)
         if unknown:
             raise GenerationError(f"unknown DiffusionGemma setting(s): {', '.join(sorted(unknown))}")
         settings = replace(self.settings, **overrides) if overrides else self.settings
+        check_seed(seed)
+        ids = self.encode_prompt(prompt, raw)
         device = self.model.decoder.embed_tokens.weight.device
         gen = None if seed is None else torch.Generator(device=device).manual_seed(seed)
-        committed: list[int] = []
-        for event in stream(self.model, self.encode_prompt(prompt, raw), settings, self.session, gen, images):
-            if isinstance(event, StepEvent):
-                yield TextEvent(self.decode(committed), self.decode(event.draft), event)
-            elif isinstance(event, CanvasEvent):
-                committed += event.tokens
-                yield TextEvent(self.decode(committed), "", event)
-            elif isinstance(event, DoneEvent):
-                r = event.result
-                yield DiffusionGemmaReply(self.decode(r.tokens), r.tokens, r.finish_reason, r)
+        turn = self._turns.acquire(wait)
+        try:
+            events = stream(self.model, ids, settings, self.session, gen, images)
+            committed: list[int] = []
+            try:
+                while True:
+                    self._turns.advancing(turn)
+                    event = next(events, None)
+                    if event is None:
+                        return
+                    self._turns.paused(turn)
+                    if isinstance(event, StepEvent):
+                        yield TextEvent(self.decode(committed), self.decode(event.draft), event)
+                    elif isinstance(event, CanvasEvent):
+                        committed += event.tokens
+                        yield TextEvent(self.decode(committed), "", event)
+                    elif isinstance(event, DoneEvent):
+                        r = event.result
+                        yield DiffusionGemmaReply(self.decode(r.tokens), r.tokens, r.finish_reason, r)
+            finally:
+                events.close()
+        finally:
+            self._turns.release(turn)
 
     def generate(self, prompt: str | Sequence[int] | Sequence[dict[str, Any]], **kwargs: Any) -> DiffusionGemmaReply:
         for event in self.stream(prompt, **kwargs):

@@ -61,6 +61,17 @@ class DiffusionGemmaSettings:
                 raise bad(f"{key}={v!r} must be a positive integer")
         if self.canvas_length is not None and (not isinstance(self.canvas_length, int) or self.canvas_length <= 0):
             raise bad(f"canvas_length={self.canvas_length!r} must be a positive integer")
+        for key in ("entropy_bound", "t_min", "t_max", "confidence_threshold"):
+            v = getattr(self, key)
+            if (v is not None or key != "confidence_threshold") and (
+                    isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                raise bad(f"{key}={v!r} must be a finite number")
+        st = self.stability_threshold
+        if st is not None and (isinstance(st, bool) or not isinstance(st, int)):
+            raise bad(f"stability_threshold={st!r} must be a whole number of steps (or None)")
+        ids = self.eos_token_ids
+        if not isinstance(ids, (tuple, list)) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise bad(f"eos_token_ids={ids!r} must be a list of integer token ids")
         if not self.entropy_bound > 0:
             raise bad(f"entropy_bound={self.entropy_bound!r} must be > 0")
         if not (0 <= self.t_min < self.t_max):

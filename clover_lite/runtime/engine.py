@@ -72,7 +72,7 @@ class Engine:
         `static_step` (default: on CUDA with the Triton kernels) keeps one cache of `context` positions
         (default: `static_context`, which load() sets to what fits in free memory, else the model's limit,
         at most 32768) and a CUDA graph of the denoising step for the model's block size, captured here; on
-        a CPU it runs the same static step eagerly (tests)."""
+        a CPU (the Triton kernels in the interpreter, tests) it runs the same static step eagerly."""
         self.model = model
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -89,8 +89,10 @@ class Engine:
         self._choose = dispatch.chooser(getattr(model, "backend", "torch"))
         self._turns = OneAtATime()
         self._cache, self._static = None, None
-        if context is not None and context < 1:
-            raise CloverError(f"context must be at least 1 position, got {context}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.config.vocab_size:
+            raise CloverError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0 to "
+                              f"{self.config.vocab_size - 1}); give the checkpoint's mask token id")
+        check_context(context, self.config.max_position_embeddings)
         self._context = context
         block = self.default_config.resolved(self.config.block_size).block_size
         size = context or static_context or min(self.config.max_position_embeddings, MAX_STATIC_CONTEXT)
@@ -100,6 +102,9 @@ class Engine:
             if size < block:
                 raise CloverError(f"the static step needs a context of at least one block ({block} positions), "
                                   f"not {size}")
+            why = StaticStep.supported(model, block)
+            if why:
+                raise CloverError(f"static_step=True: {why}; leave static_step unset to use it wherever it can run")
             self._build_static(size)
 
     def _build_static(self, context: int) -> None:
@@ -231,7 +236,7 @@ class Engine:
         reply to it; without, it starts the sequence. `mode="sequential"` commits one position per forward,
         left to right, as an autoregressive model must. Generation settings (`threshold`, `temperature`, ...)
         as for `generate`."""
-        cfg = self.resolve_config(config, **overrides)
+        cfg = self.canvas_config(config, **overrides)
         mask = self._mask_or_error()
         canvas = build_canvas(self._tokenizer_or_error(), template, slots, self.end_token_id, mask)
         ids = self.encode_prompt(prompt, raw=raw) if prompt is not None else []
@@ -244,21 +249,32 @@ class Engine:
         option's probability under the model, `forwards` the denoising forwards used, `order` the order the
         questions were settled. `mode="sequential"` decides one at a time, left to right (the comparison)."""
         pairs = question_list(questions)
+        cfg = self.canvas_config(config, **overrides)
         user, reply = decision_messages(context, pairs)
         tok = self._tokenizer_or_error()
         mask = self._mask_or_error()
         slots = {f"q{k}": options for k, (_, options) in enumerate(pairs)}
-        canvas = build_canvas(tok, reply if tok.has_chat_template else "\n" + reply, slots, self.end_token_id, mask)
+        names = {f"q{k}": name for k, (name, _) in enumerate(pairs)}
+        canvas = build_canvas(tok, reply if tok.has_chat_template else "\n" + reply, slots, self.end_token_id, mask,
+                              labels=names)
         if self.eos_token_ids:  # the end of the reply, given: the answers see where the turn ends
             canvas.tokens.append(self.eos_token_ids[0])
-        filled = self._fill(self.encode_prompt(user), canvas, self.resolve_config(config, **overrides), mode, wait)
-        names = {f"q{k}": name for k, (name, _) in enumerate(pairs)}
+        filled = self._fill(self.encode_prompt(user), canvas, cfg, mode, wait)
         return Decision(
             answers={names[k]: v for k, v in filled.values.items()},
             probabilities={names[k]: v for k, v in filled.probabilities.items()},
             forwards=filled.forwards, order=[names[k] for k in filled.order], mode=mode,
             commit_forwards=filled.commit_forwards, seconds=filled.seconds, text=filled.text,
         )
+
+    def canvas_config(self, config: GenerationConfig | None = None, **overrides) -> GenerationConfig:
+        """The settings `fill` and `decide` run with (resolve_config's): the canvas fixes the reply's length
+        and end, so settings for those are refused rather than ignored."""
+        given = sorted(k for k in overrides if k in ("max_new_tokens", "stop", "stop_token_ids", "ignore_eos"))
+        if given:
+            raise GenerationError(f"{', '.join(given)} does not apply to fill or decide (the template fixes the "
+                                  "reply's length and where it ends); leave it out")
+        return self.resolve_config(config, **overrides)
 
     def _mask_or_error(self) -> int:
         if self.mask_token_id is None:
@@ -296,6 +312,12 @@ class Engine:
                       commit_forwards=res.commit_forwards, seconds=res.seconds, steps=res.steps)
 
 
+def check_context(context: int | None, model_limit: int) -> None:
+    """CloverError unless `context` (positions a generation may use; None: the model's) is 1..model_limit."""
+    if context is not None and not 1 <= context <= model_limit:
+        raise CloverError(f"context must be 1 to {model_limit} positions (the model's limit), got {context}")
+
+
 def load(
     path: str | os.PathLike | None = None,
     device: str | torch.device = "auto",
@@ -324,6 +346,9 @@ def load(
     CheckpointError naming it; False skips that pass for a very large checkpoint (the report's notes say so).
     Either way a generation whose logits go non-finite stops with NonFiniteError.
     """
+    if kernels is not None and (not isinstance(kernels, str) or kernels.lower() not in dispatch.MODES):
+        raise CloverError(f"kernels={kernels!r}: use one of {', '.join(dispatch.MODES)} (None: $CLOVER_KERNELS, "
+                          "else auto); the device is chosen by device=")
     model_path = Path(path) if path is not None else default_model_path()
     if not model_path.exists():
         raise CloverError(f"{model_path}: no such model directory")
@@ -333,6 +358,7 @@ def load(
         return _load_diffusion_gemma(model_path, device, dtype, kernels, check_memory, mask_token_id=mask_token_id,
                                      context=context, static_step=static_step)
     config = load_config(model_path)
+    check_context(context, config.max_position_embeddings)  # before the memory plan, which would plan for it
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     fits, p = None, None

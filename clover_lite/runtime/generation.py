@@ -9,6 +9,7 @@ a finished block is committed to the cache and the next one starts.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -25,6 +26,18 @@ from clover_lite.tokenizer.incremental import IncrementalDecoder
 POLICIES = ("threshold", "fixed")
 LARGE_BLOCK_FACTOR = 4  # a block this many times the trained one warns
 COMMIT_MODES = ("exact", "reuse")
+
+
+# Below this, logits / temperature overflow fp32 for logits of ordinary size (tens), and sampling is argmax anyway.
+MIN_TEMPERATURE = 1e-4
+
+
+def check_seed(seed: int | None) -> None:
+    """GenerationError unless `seed` is None or fits torch.Generator.manual_seed (64 bits, either sign)."""
+    if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
+        raise GenerationError(f"seed must be an integer or None, got {seed!r}")
+    if seed is not None and not -(2**63) <= seed < 2**64:
+        raise GenerationError(f"seed must fit in 64 bits (-2**63 to 2**64 - 1), got {seed}")
 
 
 @dataclass(frozen=True)
@@ -47,16 +60,31 @@ class GenerationConfig:
     ignore_eos: bool = False
     commit: str = "exact"  # exact: clean re-forward of a finished block; reuse: keep its last step's states
 
+    def __post_init__(self) -> None:
+        # One stop string may be given bare, and any sequence (or None) for the tuples: the same value whether
+        # it comes through the constructor, replace() or keyword overrides.
+        for key in ("stop", "stop_token_ids"):
+            value = getattr(self, key)
+            if value is None:
+                value = ()
+            elif isinstance(value, str) and key == "stop":
+                value = (value,)
+            elif isinstance(value, (list, tuple)):
+                value = tuple(value)
+            object.__setattr__(self, key, value)
+        # numpy scalars (an embedder's values often come from arrays) as the Python numbers torch takes.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
+                object.__setattr__(self, f.name, int(value))
+            elif isinstance(value, numbers.Real) and not isinstance(value, (int, float, bool)):
+                object.__setattr__(self, f.name, float(value))
+
     def replace(self, **overrides) -> GenerationConfig:
         known = {f.name for f in fields(self)}
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise GenerationError(f"unknown generation setting(s) {unknown}; known: {sorted(known)}")
-        if "stop" in overrides and isinstance(overrides["stop"], str):
-            overrides["stop"] = (overrides["stop"],)
-        for key in ("stop", "stop_token_ids"):
-            if key in overrides and overrides[key] is not None:
-                overrides[key] = tuple(overrides[key])
         return replace(self, **overrides)
 
     def resolved(self, model_block_size: int | None, max_length: int | None = None) -> GenerationConfig:
@@ -76,10 +104,36 @@ class GenerationConfig:
                           "answers degrade or repeat", UserWarning, stacklevel=3)
         return cfg
 
+    def _check_types(self) -> None:
+        """A GenerationError naming the setting for a value of the wrong type (before any comparison with it)."""
+        def is_int(v) -> bool:  # numpy's integers too: an embedder's values often come from arrays
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        def is_number(v) -> bool:
+            return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+        wrong = [
+            *[(k, "an integer") for k in ("max_new_tokens", "top_k") if not is_int(getattr(self, k))],
+            *[(k, "an integer or None") for k in ("block_size", "steps_per_block", "seed")
+              if getattr(self, k) is not None and not is_int(getattr(self, k))],
+            *[(k, "a number") for k in ("threshold", "temperature", "top_p") if not is_number(getattr(self, k))],
+            *[(k, "a string") for k in ("policy", "confidence", "commit") if not isinstance(getattr(self, k), str)],
+        ]
+        if not isinstance(self.ignore_eos, bool):
+            wrong.append(("ignore_eos", "True or False"))
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
+            wrong.append(("stop", "a string or a list of strings"))
+        if not isinstance(self.stop_token_ids, tuple) or not all(is_int(t) for t in self.stop_token_ids):
+            wrong.append(("stop_token_ids", "a list of integer token ids"))
+        if wrong:
+            key, kind = wrong[0]
+            raise GenerationError(f"{key} must be {kind}, got {getattr(self, key)!r}")
+
     def validate(self) -> None:
         def bad(msg: str) -> GenerationError:
             return GenerationError(msg)
 
+        self._check_types()
         if self.max_new_tokens < 1:
             raise bad(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.block_size is not None and self.block_size < 1:
@@ -96,6 +150,10 @@ class GenerationConfig:
             raise bad(f"commit must be one of {COMMIT_MODES}, got '{self.commit}'")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise bad(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise bad(f"temperature {self.temperature:g} is too small to sample with (logits divided by it overflow "
+                      f"fp32); use 0 for greedy, or at least {MIN_TEMPERATURE:g}")
+        check_seed(self.seed)
         if self.top_k < 0:
             raise bad(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -379,8 +437,9 @@ def denoise(
                 new.append(block[seen])
                 seen += 1
             text = detok.push(new)
-            if reason is None and cfg.stop and new:
-                # A match not in the previous text ends after what this push left unchanged.
+            if cfg.stop and new:
+                # A match not in the previous text ends after what this push left unchanged. It comes before a
+                # stop token found in this step (the text holds only the tokens before it), so it wins.
                 hits = [i for s in cfg.stop if (i := text.find(s, max(0, detok.changed_from - len(s) + 1))) >= 0]
                 if hits:
                     reason, text = "stop", text[: min(hits)]
@@ -394,6 +453,8 @@ def denoise(
             )
             if reason is not None:
                 finish, out_ids, out_text = reason, generated + block[gen0:seen], text
+                if reason == "stop" and len(text) < len(detok.text):  # cut at a stop string: not its ids
+                    out_ids = out_ids[: detok.ids_covering(text)]
                 break
         if out_ids is not None:
             break

@@ -27,6 +27,10 @@ def prompt_ids(prompt: Prompt, tokenizer: Tokenizer | None, vocab_size: int, *, 
         if raw or not tok().has_chat_template:
             return tok().encode(prompt)
         prompt = [{"role": "user", "content": prompt}]
+    if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+        raise GenerationError(f"prompt must be a string, a list of token ids, or a list of chat message dicts, "
+                              f"not {type(prompt).__name__}" + ("; decode bytes to str first"
+                                                                 if isinstance(prompt, (bytes, bytearray)) else ""))
     items = list(prompt)
     if items and all(isinstance(m, dict) for m in items):
         return tok().encode(tok().apply_chat_template(items, add_generation_prompt=add_generation_prompt))

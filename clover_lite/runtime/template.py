@@ -38,6 +38,9 @@ class Slot:
     option_ids: list[list[int]] | None = None  # each option's own tokens (unpadded)
 
     def padded(self, end_token_id: int | None) -> list[list[int]]:
+        """Each option as the slot writes it: its tokens, then the end token to the slot's length. A choice is
+        scored on these (the padding included: the canvas holds it afterwards) and writes them. Options of
+        unequal lengths need an end token (build_canvas refuses them without one)."""
         assert self.option_ids is not None
         return [ids + [end_token_id] * (self.length - len(ids)) for ids in self.option_ids]  # type: ignore[list-item]
 
@@ -110,10 +113,12 @@ def _spec(name: str, inline: str | None, given: Mapping[str, SlotSpec]) -> SlotS
 
 
 def build_canvas(tokenizer, template: str, slots: Mapping[str, SlotSpec] | None, end_token_id: int | None,
-                 mask_token_id: int) -> Canvas:
+                 mask_token_id: int, labels: Mapping[str, str] | None = None) -> Canvas:
     """Lay `template` out as token ids and masked positions. Every bad slot is one GenerationError naming it:
     a duplicate name, a spec that is neither a length nor a list of strings, no options, an empty or repeated
-    option, an option the tokenizer cannot encode exactly, a choice of unequal lengths with no end token."""
+    option, an option the tokenizer cannot encode exactly, a choice of unequal lengths with no end token.
+    `labels` names slots in those errors as the caller's user knows them (decide's questions)."""
+    labels = labels or {}
     given = dict(slots or {})
     items = parse(template)
     names = [it[0] for it in items if isinstance(it, tuple)]
@@ -152,10 +157,11 @@ def build_canvas(tokenizer, template: str, slots: Mapping[str, SlotSpec] | None,
                 raise GenerationError(f"slot {name!r}: {spec} positions; give 1 to {MAX_SLOT_POSITIONS}")
             slot.length = spec
         else:
-            slot.options, slot.option_ids = _options(tokenizer, name, list(spec), lead, mask_token_id)
+            label = labels.get(name, name)
+            slot.options, slot.option_ids = _options(tokenizer, label, list(spec), lead, mask_token_id)
             slot.length = max(len(ids) for ids in slot.option_ids)
             if end_token_id is None and len({len(ids) for ids in slot.option_ids}) > 1:
-                raise GenerationError(f"slot {name!r}: its options have different token lengths and the model has "
+                raise GenerationError(f"slot {label!r}: its options have different token lengths and the model has "
                                       "no pad or end token to fill the shorter ones; make them the same length")
         tokens += [None] * slot.length
         out_slots.append(slot)
@@ -163,7 +169,9 @@ def build_canvas(tokenizer, template: str, slots: Mapping[str, SlotSpec] | None,
     return Canvas(tokens=tokens, slots=out_slots, pieces=pieces, end_token_id=end_token_id)
 
 
-def _options(tokenizer, name: str, options: list, lead: str, mask_token_id: int) -> tuple[list[str], list[list[int]]]:
+def check_options(name: str, options: list) -> None:
+    """One GenerationError naming question `name` unless `options` is a non-empty list of distinct, non-empty
+    strings (what the tokenizer can encode is checked where there is one, in build_canvas)."""
     if not options:
         raise GenerationError(f"question {name!r} has no options; give at least one allowed answer")
     bad = [o for o in options if not isinstance(o, str)]
@@ -174,6 +182,10 @@ def _options(tokenizer, name: str, options: list, lead: str, mask_token_id: int)
     dup = sorted({o for o in options if options.count(o) > 1})
     if dup:
         raise GenerationError(f"question {name!r} lists {dup} more than once")
+
+
+def _options(tokenizer, name: str, options: list, lead: str, mask_token_id: int) -> tuple[list[str], list[list[int]]]:
+    check_options(name, options)
     ids = []
     for o in options:
         t = tokenizer.encode(lead + o)
@@ -189,4 +201,4 @@ def filled_text(canvas: Canvas, values: Mapping[str, str]) -> str:
     return "".join(p if isinstance(p, str) else p.lead + values[p.name] for p in canvas.pieces)
 
 
-__all__ = ["Slot", "Canvas", "SlotSpec", "parse", "build_canvas", "filled_text", "MAX_SLOT_POSITIONS"]
+__all__ = ["Slot", "Canvas", "SlotSpec", "parse", "build_canvas", "check_options", "filled_text", "MAX_SLOT_POSITIONS"]

@@ -13,7 +13,7 @@ class TextStreamer:
 
     def feed(self, text: str) -> str:
         text = text.rstrip("\ufffd")
-        safe = text[: len(text) - self.hold] if self.hold else text
+        safe = text[: max(0, len(text) - self.hold)]
         if not safe.startswith(self.printed) or len(safe) <= len(self.printed):
             return ""
         chunk, self.printed = safe[len(self.printed) :], safe

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from clover_lite.errors import GenerationError, NonFiniteError
+from clover_lite.errors import GenerationError, NonFiniteError, TokenizerError
 from clover_lite.runtime.decide import question_list
 from clover_lite.runtime.engine import Engine
 from clover_lite.runtime.generation import DoneEvent, GenerationConfig, StepEvent
@@ -83,6 +83,9 @@ async def read_json(request: Request, limit: int):
     except json.JSONDecodeError as e:
         raise bad(f"malformed JSON in the request body: {e.msg} at line {e.lineno} column {e.colno}",
                   code="malformed_json") from None
+    except RecursionError:
+        raise bad("the JSON in the request body is nested too deeply to read; send a flatter body",
+                  code="malformed_json") from None
 
 
 class Server:
@@ -136,7 +139,7 @@ class Server:
         engine = self.engine
         try:
             ids = await run_in_threadpool(engine.encode_prompt, req.prompt, raw=req.kind == "completion")
-        except GenerationError as e:
+        except (GenerationError, TokenizerError) as e:  # e.g. a chat template that refuses these messages
             raise bad(str(e), param="messages" if req.kind == "chat" else "prompt") from None
         limit, P = engine.context_limit, len(ids)
         room = limit - P
@@ -238,7 +241,7 @@ class Server:
         req = decide_request(await read_json(request, self.settings.max_body_bytes))
         try:
             pairs = question_list(req.questions)
-            self.engine.resolve_config(**req.overrides)
+            self.engine.canvas_config(**req.overrides)
         except GenerationError as e:
             raise bad(str(e)) from None
         engine = self.engine

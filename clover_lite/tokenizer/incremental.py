@@ -69,6 +69,15 @@ class IncrementalDecoder:
                     self._prefix, self._context = read, context
         return self.text
 
+    def ids_covering(self, text: str) -> int:
+        """The fewest of the ids pushed so far whose decode starts with `text` (a prefix of `self.text`): a
+        reply cut at a stop string keeps those and drops the ids after them. Walks back from the end, since a
+        stop string spans a few ids."""
+        k = len(self._ids)
+        while k > 0 and self._decode(self._ids[: k - 1]).startswith(text):
+            k -= 1
+        return k
+
     def _redecode(self) -> str:
         self.text, self.changed_from = self._decode(self._ids), 0
         return self.text
