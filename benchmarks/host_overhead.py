@@ -49,8 +49,8 @@ class StubRunner:
         self.calls += 1
         return self.logits[self.calls % len(self.logits), : len(positions)]
 
-    def commit(self, block) -> None:
-        pass
+    def commit(self, block) -> int:
+        return 0
 
 
 def run(tok: Tokenizer, variant: str, prompt: list[int], cfg: GenerationConfig, seed: int):

@@ -5,8 +5,8 @@ together from the cabin's state and the car's rules, in one denoising pass (`Eng
     python examples/cabin_assistant.py --model DIR        # a model that knows the domain
 
 Each answer is always one of its options, whatever the model: the engine restricts every question's tokens to
-its options, so the caller can act on the result without parsing free text. `probabilities` says how sure
-the model was; a low one can fall back to a safe default.
+its options, so the caller can act on the result without parsing free text. `confidence` says how sure the
+decision was (the answer's share of its options' probability); a low one can fall back to a safe default.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def main() -> None:
     engine.decide(context, QUESTIONS)  # warm-up: the first call pays one-time costs
     joint = engine.decide(context, QUESTIONS)
     for name, answer in joint.answers.items():
-        p_answer = joint.probabilities[name][answer]
-        action = answer if p_answer >= 1e-3 else f"{answer} (unsure: p={p_answer:.2g}, keep the current setting)"
+        sure = joint.confidence[name]
+        action = answer if sure >= 0.8 else f"{answer} (unsure: {sure:.0%}, keep the current setting)"
         print(f"{name:>17}: {action}")
     sequential = engine.decide(context, QUESTIONS, mode="sequential")
     print(f"\njoint: {joint.forwards} forwards, {joint.seconds * 1000:.0f} ms; one question after another: "

@@ -25,7 +25,7 @@ class Recorder:
         return out
 
     def commit(self, block):
-        self.runner.commit(block)
+        return self.runner.commit(block)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 32])
@@ -123,6 +123,53 @@ def test_step_leaves_cache_untouched_and_prefill_chunks_agree(tiny_engine):
     torch.testing.assert_close(logits, ref, atol=2e-5, rtol=2e-5)
 
 
+def test_cache_grown_while_holding_positions_keeps_them(tiny_engine):
+    """A cache that was not reserved grows as blocks are committed (64, 128, 256 positions) and keeps what it
+    holds: a 148-token prompt (37 blocks) committed 12 tokens at a time, so appends straddle each growth, equals
+    one reserved up front, and a step on it equals the uncached forward."""
+    model = tiny_engine.model
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    B = 4
+    prompt = torch.randint(0, 256, (1, 148), generator=gen)
+    block = torch.randint(0, 256, (1, B), generator=gen)
+    with torch.no_grad():
+        grown = model.new_cache()
+        model.prefill(prompt, grown, B, chunk_tokens=12)
+        reserved = model.new_cache(capacity=160)
+        model.prefill(prompt, reserved, B, chunk_tokens=12)
+        assert grown.capacity == 256 and reserved.capacity == 160 and grown.length == reserved.length == 148
+        for x, y in zip(_cache_state(grown), _cache_state(reserved), strict=True):
+            torch.testing.assert_close(x, y, atol=0, rtol=0)
+        logits, _ = model.step(block, grown)
+        ref = model(torch.cat([prompt, block], 1), block_size=B)[:, 148:]
+    torch.testing.assert_close(logits, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_reset_cache_generates_as_a_fresh_one(tiny_engine):
+    """reset() forgets the committed positions and the GDN states: the recurrent and conv states are zero again
+    and a step after a new prefill equals the same step on a fresh cache."""
+    model = tiny_engine.model
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    B = 4
+    first, second = torch.randint(0, 256, (1, 13), generator=gen), torch.randint(0, 256, (1, 9), generator=gen)
+    block = torch.randint(0, 256, (1, B), generator=gen)
+    assert model.config.gdn_layers
+    with torch.no_grad():
+        used = model.new_cache()
+        model.prefill(first, used, B)
+        assert any(float(used.recurrent[i].abs().max()) > 0 for i in model.config.gdn_layers)
+        used.reset()
+        assert used.length == 0
+        for i in model.config.gdn_layers:
+            assert not used.recurrent[i].any() and not used.conv[i].any()
+        model.prefill(second, used, B)
+        fresh = model.new_cache()
+        model.prefill(second, fresh, B)
+        for x, y in zip(_cache_state(used), _cache_state(fresh), strict=True):
+            torch.testing.assert_close(x, y, atol=0, rtol=0)
+        torch.testing.assert_close(model.step(block, used)[0], model.step(block, fresh)[0], atol=0, rtol=0)
+
+
 def test_reuse_commit_stores_the_last_steps_states(tiny_engine):
     """commit='reuse' keeps what the last step computed: the states of the block as it was then."""
     model = tiny_engine.model
@@ -143,6 +190,11 @@ def test_reuse_commit_stores_the_last_steps_states(tiny_engine):
 
 
 def test_reuse_mode_generates_end_to_end(tiny_engine):
-    out = tiny_engine.generate([1, 2, 3, 4, 5], max_new_tokens=12, commit="reuse", threshold=0.006)
-    assert len(out.token_ids) == 12
-    assert out.stats.commit_forwards == 0 or out.stats.blocks >= 1
+    """12 tokens after a 5-token prompt at block 4 span positions 5..16: blocks [4, 8), [8, 12), [12, 16),
+    [16, 20), the last one never committed. Exact commits each of the others with a clean forward; reuse keeps
+    the last step's states and runs none."""
+    for commit, forwards in (("reuse", 0), ("exact", 3)):
+        out = tiny_engine.generate([1, 2, 3, 4, 5], max_new_tokens=12, commit=commit, threshold=0.006,
+                                   ignore_eos=True, block_size=4)
+        assert len(out.token_ids) == 12 and out.stats.blocks == 4
+        assert out.stats.commit_forwards == forwards, commit

@@ -274,9 +274,9 @@ def test_ctrl_d_during_a_reply_stops_it_and_leaves(tiny_dir, tmp_path):
 
 def _help_settings(session) -> list[str]:
     """The /set keys a session's /help lists ("change a setting: a, b (what), ...; /set alone lists them")."""
-    text = session.command("/help").text
+    text = " ".join(session.command("/help").text.split())  # the help wraps lines: one space between words
     listed = text.split("change a setting:", 1)[1].split("; /set alone", 1)[0]
-    return [item.split()[0] for item in listed.replace("\n", " ").split(",")]
+    return [item.split()[0] for item in listed.split(",")]
 
 
 def test_help_lists_exactly_the_settings_each_chat_takes(tiny_engine, tmp_path):
@@ -295,6 +295,7 @@ def test_help_lists_exactly_the_settings_each_chat_takes(tiny_engine, tmp_path):
     ]
     for session, values in cases:
         assert sorted(_help_settings(session)) == sorted(values)
+        assert max(map(len, session.command("/help").text.splitlines())) <= 79  # an 80-column terminal: no wraps
         for key, value in values.items():
             result = session.command(f"/set {key} {value}")
             assert not result.error, (key, result.text)

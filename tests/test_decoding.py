@@ -13,6 +13,7 @@ from clover_lite.runtime.generation import (
     StepEvent,
     denoise,
     fixed_schedule,
+    select_positions,
 )
 from clover_lite.runtime.sampling import choose, filter_logits
 
@@ -52,6 +53,7 @@ class Scripted:
     def commit(self, block):
         self.commits.append(list(block))
         self.start += len(block)
+        return 0
 
 
 def run(runner, prompt, **kw):
@@ -288,3 +290,18 @@ def test_engine_checks_block_size_against_its_model(tiny_engine):
 def test_unknown_setting_is_named():
     with pytest.raises(GenerationError, match="blocksize"):
         GenerationConfig().replace(blocksize=3)
+
+
+def test_select_positions_hand_worked():
+    """Threshold: strictly above it (a confidence equal to it does not commit), else the single most
+    confident; fixed: the schedule's count for the step (block 7 in 3 steps: 3, 2, 2), the most confident."""
+    cfg = GenerationConfig(threshold=0.9, block_size=4)
+    assert select_positions(torch.tensor([0.9, 0.9, 0.3]), cfg, 0).tolist() == [0]
+    assert select_positions(torch.tensor([0.3, 0.95, 0.91, 0.9]), cfg, 0).tolist() == [1, 2]
+    assert select_positions(torch.tensor([0.2, 0.5, 0.4]), cfg, 0).tolist() == [1]
+    fixed = GenerationConfig(policy="fixed", block_size=7, steps_per_block=3)
+    assert fixed_schedule(7, 3) == [3, 2, 2]
+    conf = torch.tensor([0.1, 0.7, 0.3, 0.9, 0.5, 0.2, 0.6])
+    assert sorted(select_positions(conf, fixed, 0).tolist()) == [1, 3, 6]
+    assert sorted(select_positions(conf[:4], fixed, 1).tolist()) == [1, 3]
+    assert select_positions(conf[:1], fixed, 2).tolist() == [0]  # fewer masked than the schedule's count

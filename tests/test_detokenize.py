@@ -193,6 +193,7 @@ class RandomRunner:
 
     def commit(self, block):
         self.start += len(block)
+        return 0
 
 
 def reference_texts(events, prompt_len: int, cfg: GenerationConfig, eos: set[int], decode):

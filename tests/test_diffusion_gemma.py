@@ -180,6 +180,35 @@ def test_nonfinite_logits_stop_generation(tmp_path):
         generate(model, [special_id("<bos>"), 104, 105], max_new_tokens=8)
 
 
+def test_nonfinite_weights_are_refused_at_load(tmp_path):
+    """A NaN in a random stored weight: load refuses it naming the tensor and its file, as for the block
+    denoisers; check_finite=False loads it (the report says the scan was skipped) and generation stops with
+    NonFiniteError, whose advice fits the fp32 model (not "use float32")."""
+    from safetensors.torch import load_file, save_file
+
+    import clover_lite
+    from clover_lite.errors import NonFiniteError
+
+    path = write_tiny_diffusion_gemma(tmp_path / "tiny", seed=3)
+    (file,) = sorted(path.glob("*.safetensors"))
+    tensors = load_file(file)
+    rng = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    # Every token reads these (an expert's weights may go unrouted, an embedding row unread): the NaN must show.
+    names = sorted(n for n, t in tensors.items() if t.is_floating_point() and not any(
+        k in n for k in ("embed", "experts", "per_expert_scale")))
+    name = names[int(torch.randint(0, len(names), (), generator=rng))]
+    flat = tensors[name].flatten().clone()
+    flat[int(torch.randint(0, flat.numel(), (), generator=rng))] = float("nan")
+    tensors[name] = flat.view_as(tensors[name])
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' in .*holds 1 NaN"):
+        clover_lite.load(path, device="cpu")
+    engine = clover_lite.load(path, device="cpu", check_finite=False)
+    assert any("scan of the weights was skipped" in n for n in engine.load_report.notes)
+    with pytest.raises(NonFiniteError, match="check its weights"):
+        engine.generate([special_id("<bos>"), 104, 105], max_new_tokens=8, seed=0)
+
+
 def _hf_tokens(out, prompt_len, eos=()):
     toks = out.sequences[0, prompt_len:].tolist()
     for i, t in enumerate(toks):

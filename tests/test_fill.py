@@ -163,6 +163,7 @@ class ScriptedRunner:
 
     def commit(self, block):
         self.start += len(block)
+        return 0
 
 
 def test_free_slot_end_and_a_choice_decided_whole():
@@ -305,17 +306,19 @@ class ContextRunner:
 
     def commit(self, block):
         self.history += list(block)
+        return 0
 
 
 def _block_by_block(runner: ContextRunner, seq: list[int | None], slot_at: int, padded: list[list[int]],
-                    mask: int) -> tuple[int, list[float]]:
+                    mask: int) -> tuple[int, list[float], float]:
     """The reference for one choice slot at absolute positions slot_at.. of `seq` (None there), in float64: per
     block it reaches, each remaining option scores the log-probability of what it writes in that block (logits
     from the committed context before the block and the block with the slot's positions masked); the best
     (first listed on a tie) is written and the options writing the same there remain. Returns the option whose
-    tokens end up in the slot and each option's summed log-probability."""
+    tokens end up in the slot, each option's summed log-probability and the decision's confidence: the product
+    over blocks of the winner's share among the distinct things the remaining options write there."""
     B, n, length = runner.B, len(padded), len(padded[0])
-    seq, alive, logp = list(seq), list(range(n)), [0.0] * n
+    seq, alive, logp, sure = list(seq), list(range(n)), [0.0] * n, 1.0
     for b0 in range(slot_at // B * B, slot_at + length, B):
         block = list(range(b0, min(b0 + B, len(seq))))
         here = [p for p in block if slot_at <= p < slot_at + length]
@@ -323,13 +326,15 @@ def _block_by_block(runner: ContextRunner, seq: list[int | None], slot_at: int, 
         lp = {p: _softmax64(runner.logits_at(p, seq[:b0], ids)).log() for p in here}
         score = {o: sum(float(lp[p][padded[o][p - slot_at]]) for p in here) for o in alive}
         best = max(alive, key=lambda o: score[o])  # max keeps the first of equals
+        distinct = {tuple(padded[o][p - slot_at] for p in here): score[o] for o in alive}
+        sure *= math.exp(score[best]) / sum(math.exp(v) for v in distinct.values())
         for o in alive:
             logp[o] += score[o]
         alive = [o for o in alive if all(padded[o][p - slot_at] == padded[best][p - slot_at] for p in here)]
         for p in here:
             seq[p] = padded[best][p - slot_at]
     (winner,) = {tuple(padded[o]) for o in alive}
-    return padded.index(list(winner)), logp
+    return padded.index(list(winner)), logp, sure
 
 
 def test_a_choice_across_a_block_boundary_is_decided_block_by_block():
@@ -374,7 +379,7 @@ def test_a_choice_across_a_block_boundary_is_decided_block_by_block():
             res = fill_canvas(runner, prompt, canvas, cfg, mask_token_id=MASK, end_token_id=END,
                               mode=rng.choice(["joint", "sequential"]))
             seq = prompt + given_pre + [None] * length + given_post
-            won, logp = _block_by_block(runner, seq, slot_at, [padded[k] for k in perm], MASK)
+            won, logp, sure = _block_by_block(runner, seq, slot_at, [padded[k] for k in perm], MASK)
             why = f"seed {SEED}: offset {offset}, P {P}, options {option_ids} in order {perm}, target {target}"
             assert perm[won] == target, why  # the boost decides it (the test's own check)
             assert res.slot_tokens["s"] == padded[target], why
@@ -382,6 +387,7 @@ def test_a_choice_across_a_block_boundary_is_decided_block_by_block():
             probs = {f"o{k}": math.exp(logp[i]) for i, k in enumerate(perm)}
             for name, p in probs.items():
                 assert math.isclose(res.option_probabilities["s"][name], p, rel_tol=1e-4), (why, name)
+            assert math.isclose(res.confidence["s"], sure, rel_tol=1e-4), why
             expect_p = expect_p or probs
             assert all(math.isclose(probs[k], expect_p[k], rel_tol=1e-9) for k in probs), why  # order-free
 
@@ -415,11 +421,12 @@ def test_a_choice_across_blocks_on_the_model_is_the_reference_forwards(tiny_engi
         cfg = GenerationConfig(block_size=B).resolved(4)
         res = fill_canvas(CachedRunner(model, B), prompt, canvas, cfg, mask, end, tiny_engine.eos_token_ids)
         padded = canvas.slots[0].padded(end)
-        won, logp = _block_by_block(Reference(B, 0, {}, 0), prompt + canvas.tokens, P, padded, mask)
+        won, logp, sure = _block_by_block(Reference(B, 0, {}, 0), prompt + canvas.tokens, P, padded, mask)
         why = f"seed {SEED}: offset {offset}, options {options}"
         assert res.slot_tokens["s"] == padded[won], why
         for o, lp in zip(options, logp, strict=True):
             assert math.isclose(res.option_probabilities["s"][o], math.exp(lp), rel_tol=1e-3), (why, o)
+        assert math.isclose(res.confidence["s"], sure, rel_tol=1e-3), why
 
 
 def test_joint_uses_fewer_forwards_than_sequential(tiny_engine):

@@ -7,6 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from clover_lite.errors import CloverError
+
 pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -522,10 +524,12 @@ def test_dispatch_choice(monkeypatch):
     monkeypatch.setenv("CLOVER_KERNELS", "triton")
     assert dispatch.select("cpu") == "triton"  # CPU tensors in the interpreter (tests)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+    with pytest.raises(CloverError, match="CLOVER_KERNELS=triton on the CPU .* TRITON_INTERPRET=1"):
         dispatch.select("cpu")
+    with pytest.raises(CloverError, match="kernels=triton on the CPU"):
+        dispatch.select("cpu", "triton")
     monkeypatch.setenv("CLOVER_KERNELS", "fast")
-    with pytest.raises(ValueError, match="CLOVER_KERNELS"):
+    with pytest.raises(CloverError, match="CLOVER_KERNELS='fast': use one of auto, torch, triton"):
         dispatch.select("cpu")
     with pytest.raises(ValueError, match="CUDA tensors"):
         gemv(torch.randn(1, 64), Int4Weights(**random_int4(64, 16, 32)[0]))

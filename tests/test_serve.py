@@ -142,6 +142,7 @@ def test_joint_decisions_endpoint(server, engine):
     assert got["answers"] == ref.answers and got["order"] == ref.order and got["forwards"] == ref.forwards
     for name, probs in ref.probabilities.items():
         assert got["probabilities"][name] == pytest.approx(probs, rel=1e-5, abs=1e-9)
+    assert got["confidence"] == pytest.approx(ref.confidence, rel=1e-5)
     status, _, body = server.request("POST", "/v1/clover/decide", {"context": "x", "questions": {"a": "yes"}})
     assert status == 400 and b"options must be a list" in body
 

@@ -193,11 +193,15 @@ def plan_weights(model: DiffusionGemma, path: Path, headers: dict[str, TensorInf
     return {n: headers[n] for n in wanted if n in headers}, files, skipped
 
 
-def copy_weights(model: DiffusionGemma, plan: dict[str, TensorInfo], only: Callable[[str], bool] | None = None
-                 ) -> set[tuple]:
+def copy_weights(model: DiffusionGemma, plan: dict[str, TensorInfo], only: Callable[[str], bool] | None = None,
+                 check_finite: bool = False) -> set[tuple]:
     """Read the planned tensors whose destination (our name) passes `only` into the model, one at a time in
     file order, each cast to its destination's dtype. Destinations are looked up now (the streaming quantizer
-    materialises one layer at a time). Returns what was filled: (our name,) or (our name, index)."""
+    materialises one layer at a time). `check_finite` refuses a float tensor holding NaN/Inf (as stored or
+    after the cast) with the block loader's CheckpointError. Returns what was filled: (our name,) or
+    (our name, index)."""
+    from clover_lite.checkpoint.load import nonfinite_error
+
     wanted = tensor_names(model)
     dest = dict(model.named_parameters()) | dict(model.named_buffers())
     # A module swapped out since planning (a layer the quantizer finished) has no destination any more.
@@ -210,7 +214,10 @@ def copy_weights(model: DiffusionGemma, plan: dict[str, TensorInfo], only: Calla
                     ours, index = wanted[name]
                     t = read_tensor(handle, plan[name])
                     target = dest[ours] if index is None else dest[ours][index]
-                    target.copy_(t.reshape(target.shape).to(target.dtype))
+                    cast = t.reshape(target.shape).to(target.dtype)
+                    if check_finite and cast.is_floating_point() and not bool(torch.isfinite(cast).all()):
+                        raise nonfinite_error(plan[name], t, cast)
+                    target.copy_(cast)
                     filled.add((ours,) if index is None else (ours, index))
     return filled
 
@@ -233,10 +240,11 @@ def build_model(config: DiffusionGemmaConfig, dtype: torch.dtype, headers: dict[
 
 def load_diffusion_gemma(path: str | os.PathLike, device: torch.device | str = "cpu",
                          dtype: torch.dtype = torch.float32, config: DiffusionGemmaConfig | None = None,
-                         kernels: str | None = None) -> tuple[DiffusionGemma, DiffusionGemmaLoadReport]:
+                         kernels: str | None = None, check_finite: bool = True
+                         ) -> tuple[DiffusionGemma, DiffusionGemmaLoadReport]:
     """Build the model on the meta device (GPTQ modules swapped in), check the plan, read each tensor into
-    place; then `kernels` (auto|torch|triton, default $CLOVER_KERNELS or auto) picks the implementation once
-    (kernels/dispatch.py)."""
+    place (refusing NaN/Inf unless `check_finite` is False); then `kernels` (auto|torch|triton, default
+    $CLOVER_KERNELS or auto) picks the implementation once (kernels/dispatch.py)."""
     from clover_lite.checkpoint.load import fill_default_g_idx, read_quant_config
     from clover_lite.kernels import dispatch
     from clover_lite.kernels.configs import kernel_changes
@@ -248,13 +256,15 @@ def load_diffusion_gemma(path: str | os.PathLike, device: torch.device | str = "
     model = build_model(config, dtype, headers, qc, path)
     plan, files, skipped = plan_weights(model, path, headers)
     model = model.to_empty(device=device)
-    filled = copy_weights(model, plan)
+    filled = copy_weights(model, plan, check_finite=check_finite)
     fill_default_g_idx(model, filled)
     model.eval()
     # No GPU has run DiffusionGemma on the kernels yet: `auto` keeps it on the reference until one does
     # (docs/ARCHITECTURE.md section 7.4); kernels="triton" or CLOVER_KERNELS_UNVERIFIED=1 asks for them.
     backend = dispatch.select(device, kernels, verified=kernel_changes().diffusion_gemma)
     notes = []
+    if not check_finite:
+        notes.append("the NaN/Inf scan of the weights was skipped (check_finite=False / --no-check-finite)")
     if backend != dispatch.select(device, kernels):
         notes.append("PyTorch reference path: DiffusionGemma on the Triton kernels is not yet verified on a GPU "
                      "(CLOVER_KERNELS_UNVERIFIED=1 or kernels='triton' to use them)")

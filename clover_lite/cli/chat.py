@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,27 +33,33 @@ PLACEHOLDER = "\u2591"  # one per masked position of the current block (dim)
 
 
 def chat_help(how: str, settings: str) -> str:
-    """/help's text: `how` the reply is written, `settings` what /set takes (the loop's own)."""
+    """/help's text: `how` the reply is written, `settings` what /set takes (the loop's own), within 79 columns
+    (a terminal's narrowest common width: wider lines wrap mid-phrase)."""
+    set_line = textwrap.fill(f"change a setting: {settings}; /set alone lists them", width=79,
+                             initial_indent="  /set KEY VALUE   ", subsequent_indent=" " * 19)
     return f"""\
 Type a message and press Enter; end a line with \\ to continue on the next one.
-{how}
+{textwrap.fill(how, width=79)}
 
-  /set KEY VALUE   change a setting: {settings}; /set alone lists them
+{set_line}
   /stats           statistics of the last reply and of the session
-  /system TEXT     set the system message (/system alone shows it, /system none removes it)
-  /reset           forget the conversation (the system message and settings stay)
+  /system TEXT     set the system message (/system alone shows it,
+                   /system none removes it)
+  /reset           forget the conversation (the system message and settings
+                   stay)
   /help            this help
   /quit            leave (or Ctrl-D)
 
-Ctrl-C stops the current reply after the denoising step under way (press it twice to stop at
-once): the part already shown is KEPT in the conversation as the assistant's answer (/reset to
-start over). Ctrl-C at the prompt clears the line; Ctrl-D (or /quit) leaves."""
+Ctrl-C stops the current reply after the denoising step under way (press it
+twice to stop at once): the part already shown is KEPT in the conversation as
+the assistant's answer (/reset to start over). Ctrl-C at the prompt clears the
+line; Ctrl-D (or /quit) leaves."""
 
 
 HELP = chat_help(f"The reply is denoised a block at a time: {PLACEHOLDER} marks a position still masked.",
-                 "threshold, block (block size), temperature, max (max tokens),\n"
-                 "                   top_p, top_k, seed, policy (threshold|fixed), confidence (prob|margin|entropy),\n"
-                 "                   steps (per block for the fixed policy), commit (exact|reuse)")
+                 "threshold, block (block size), temperature, max (max tokens), top_p, top_k, seed, policy "
+                 "(threshold|fixed), confidence (prob|margin|entropy), steps (per block for the fixed policy), "
+                 "commit (exact|reuse)")
 
 # /set KEY -> GenerationConfig field
 SETTING_ALIASES = {

@@ -33,8 +33,8 @@ class CanvasChatSession(ChatSession):
     """A ChatSession whose settings are DiffusionGemma's; messages, commands and statistics as the base's."""
 
     help = chat_help("The reply is written a canvas at a time: each canvas shows once it is denoised.",
-                     "max (max tokens), steps (denoising steps per canvas),\n"
-                     "                   entropy_bound, t_min, t_max, stability, confidence, seed")
+                     "max (max tokens), steps (denoising steps per canvas), entropy_bound, t_min, t_max, "
+                     "stability, confidence, seed")
 
     def __init__(self, engine, seed: int | None = None, max_new_tokens: int | None = None,
                  system: str | None = None):

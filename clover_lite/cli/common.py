@@ -24,11 +24,12 @@ def load_with_progress(path, diffusion_gemma: bool = False, **kwargs):
     if not console.is_terminal:
         engine = load(path, **kwargs)
     else:
-        columns = (TextColumn("loading"), BarColumn(), TextColumn("{task.completed}/{task.total} tensors"),
-                   TimeRemainingColumn())
+        # The count shows once the loader knows how many tensors there are (before that: reading the headers).
+        columns = (TextColumn("loading"), BarColumn(), TextColumn("{task.fields[count]}"), TimeRemainingColumn())
         with Progress(*columns, console=console, transient=True) as bar:
-            task = bar.add_task("load", total=None)
-            engine = load(path, progress=lambda done, total: bar.update(task, completed=done, total=total), **kwargs)
+            task = bar.add_task("load", total=None, count="")
+            engine = load(path, progress=lambda done, total: bar.update(
+                task, completed=done, total=total, count=f"{done}/{total} tensors"), **kwargs)
     from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaEngine
 
     if isinstance(engine, DiffusionGemmaEngine) and not diffusion_gemma:

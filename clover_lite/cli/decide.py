@@ -50,7 +50,8 @@ def decide(model, model_path, context_text, questions, mode, threshold, block_si
     except CloverError as e:
         fail(e)
     if as_json:
-        click.echo(json.dumps({"answers": d.answers, "probabilities": d.probabilities, "order": d.order,
+        click.echo(json.dumps({"answers": d.answers, "confidence": d.confidence, "probabilities": d.probabilities,
+                               "order": d.order,
                                "forwards": d.forwards, "commit_forwards": d.commit_forwards, "mode": d.mode,
                                "seconds": round(d.seconds, 4)}, indent=2))
         return
@@ -62,11 +63,11 @@ def decide(model, model_path, context_text, questions, mode, threshold, block_si
         return escape(for_stream(text, sys.stdout))
 
     table = Table(title=f"{d.mode} decision: {d.forwards} forwards ({d.seconds * 1000:.0f} ms)")
-    for col in ("question", "answer", "p(answer)", "options (p)", "settled"):
+    for col in ("question", "answer", "confidence", "p(answer)", "options (p)", "settled"):
         table.add_column(col)
     for name, options in pairs:
         probs = d.probabilities[name]
-        table.add_row(cell(name), cell(d.answers[name]), f"{probs[d.answers[name]]:.3g}",
+        table.add_row(cell(name), cell(d.answers[name]), f"{d.confidence[name]:.2f}", f"{probs[d.answers[name]]:.3g}",
                       ", ".join(f"{cell(o)} ({probs[o]:.2g})" for o in options),
                       str(d.order.index(name) + 1))
     Console().print(table)

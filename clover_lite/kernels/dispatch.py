@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from clover_lite.errors import CloverError
 from clover_lite.kernels.host import interpreting
 
 MODES = ("auto", "torch", "triton")
@@ -32,17 +33,19 @@ def select(device: torch.device | str, mode: str | None = None, verified: bool =
     """'triton' or 'torch' for tensors on `device`, honouring CLOVER_KERNELS. `verified` False: the model's
     kernel path has not run on a GPU yet (kernels/configs.py), so `auto` keeps it on torch; an explicit
     `triton` still gets the kernels."""
+    where = "kernels=" if mode else "CLOVER_KERNELS="  # the user's setting, named in its errors
     mode = (mode or os.environ.get("CLOVER_KERNELS", "auto")).lower()
     if mode not in MODES:
-        raise ValueError(f"CLOVER_KERNELS must be one of {MODES}, got '{mode}'")
+        raise CloverError(f"{where}{mode!r}: use one of {', '.join(MODES)}")
     device = torch.device(device)
     if mode == "torch":
         return "torch"
     if mode == "triton":
         if not triton_available():
-            raise RuntimeError("CLOVER_KERNELS=triton but triton is not installed (pip install triton)")
+            raise CloverError(f"{where}triton, but triton is not installed: pip install triton, or use torch")
         if device.type != "cuda" and not interpreting():
-            raise RuntimeError("CLOVER_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (set before import)")
+            raise CloverError(f"{where}triton on the CPU runs Triton's interpreter, which must be asked for: set "
+                              "TRITON_INTERPRET=1 before starting (slow: for tests), or use torch or auto")
         return "triton"
     return "triton" if device.type == "cuda" and triton_available() and verified else "torch"
 

@@ -40,13 +40,19 @@ def find_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.T
     span = xmax - xmin
     span = torch.where(span == 0, torch.ones_like(span), span)  # all-zero group: any scale works
     scale = (span / MAXQ).half().float()
-    scale = torch.where(scale == 0, torch.full_like(scale, 2.0**-24), scale)  # below the fp16 range
     if spec.sym:
         zero = torch.full_like(scale, (MAXQ + 1) / 2)
     else:
         zero = torch.round(-xmin / scale)
-        # v1 stores zero - 1 in 4 bits: a zero of 0 cannot be written, so it is kept >= 1.
-        zero = zero.clamp(1 if spec.checkpoint_format == "gptq" else 0, MAXQ)
+        if spec.checkpoint_format == "gptq":
+            # v1 stores zero - 1 in 4 bits: a zero of 0 cannot be written. Such a group (no weight below minus
+            # half a step) takes zero 1 and a scale fitting its maximum in the 14 steps above it: every weight
+            # stays within half a step (a plain clamp of the zero would push the top weights a whole step off).
+            low = zero < 1
+            scale = torch.where(low, (xmax / (MAXQ - 1)).half().float(), scale)
+            zero = torch.where(low, torch.ones_like(zero), zero)
+        zero = zero.clamp(0, MAXQ)
+    scale = torch.where(scale == 0, torch.full_like(scale, 2.0**-24), scale)  # below the fp16 range
     return scale, zero
 
 

@@ -48,6 +48,10 @@ class CanvasResult:
     # in the forward that decided those positions. An option dropped in a block keeps the product up to that
     # block (the one that dropped it included); the answer's is the probability of the slot's final tokens.
     option_probabilities: dict[str, dict[str, float]]
+    # Per choice slot, how sure the decision was: the answer's share of the probability of the options still
+    # possible, multiplied over the blocks that decided it (1.0 where no other option remained). Comparable
+    # across slots and models, unlike option_probabilities (full-vocabulary products over unequal positions).
+    confidence: dict[str, float]
     order: list[str]  # slots in the order they were completed
     forwards: int = 0  # denoising forwards (steps)
     commit_forwards: int = 0
@@ -64,6 +68,7 @@ class _Candidate:
     writes: list[tuple[int, int]]  # (canvas position, token)
     slot: int | None = None  # choice slot index
     keep: list[int] = field(default_factory=list)  # a choice's options that remain possible once committed
+    share: float = 1.0  # a choice's: its group's share of the groups' probability (untempered)
     scored: dict[int, float] = field(default_factory=dict)  # a choice's options: log-probability in this block
 
 
@@ -75,6 +80,7 @@ class _Choice:
     padded: list[list[int]]
     alive: list[int]
     logp: list[float]
+    sure: float = 1.0  # the product of the committed groups' shares
 
 
 def fill_canvas(
@@ -118,7 +124,7 @@ def fill_canvas(
         generator = torch.Generator(device=runner.device)
         generator.manual_seed(cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
     done_at: dict[str, tuple[int, int]] = {}
-    result = CanvasResult(tokens=[], slot_tokens={}, option_probabilities={}, order=[])
+    result = CanvasResult(tokens=[], slot_tokens={}, option_probabilities={}, confidence={}, order=[])
 
     def write(c: int, token: int) -> list[int]:
         """Commit a token; a free slot's end token also ends the slot (its later masked positions)."""
@@ -166,6 +172,7 @@ def fill_canvas(
                     for o, v in cand.scored.items():
                         choice.logp[o] += v
                     choice.alive = cand.keep
+                    choice.sure *= cand.share
             result.forwards += 1
             step_in_block += 1
             result.steps.append(sorted(committed_now))
@@ -173,8 +180,7 @@ def fill_canvas(
                 if s.name not in done_at and all(tokens[s.start + j] is not None for j in range(s.length)):
                     done_at[s.name] = (result.forwards, k)
         if end < total:
-            runner.commit([int(t) for t in _block(prompt_ids, tokens, start, end)])
-            result.commit_forwards += 1
+            result.commit_forwards += runner.commit([int(t) for t in _block(prompt_ids, tokens, start, end)])
         start = end
     result.tokens = [int(t) for t in tokens]
     result.slot_tokens = {s.name: result.tokens[s.start : s.start + s.length] for s in canvas.slots}
@@ -183,6 +189,7 @@ def fill_canvas(
         canvas.slots[k].name: dict(zip(canvas.slots[k].options, map(math.exp, choice.logp), strict=True))
         for k, choice in choices.items()
     }
+    result.confidence = {canvas.slots[k].name: choice.sure for k, choice in choices.items()}
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -231,6 +238,7 @@ def _candidates(logits, rows, where, canvas, cfg, mask_token_id, generator, choo
             first=s.start + here[0][0], confidence=float(share[best]), slot=k,
             writes=[(s.start + j, t) for (j, _), t in zip(here, keys[best], strict=True)], keep=groups[keys[best]],
             scored={o: float(v) for key, v in zip(keys, scores.tolist(), strict=True) for o in groups[key]},
+            share=float(torch.softmax(scores, dim=0)[best]),
         ))
     return out
 

@@ -26,14 +26,18 @@ class Filled:
     values: dict[str, str]
     text: str
     token_ids: list[int]
-    # Choice slots: each option's probability, its tokens' product, each token's from the forward that decided
-    # its position (so a greedy answer is never less likely there than another option's token).
+    # Choice slots: each option's probability under the model, the product over the blocks it was scored in of
+    # what it writes there (full vocabulary). Options dropped in different blocks cover different positions, so
+    # these need not rank as the decision did: `confidence` says how sure the decision was.
     probabilities: dict[str, dict[str, float]]
     order: list[str]  # slots in the order they were completed
     forwards: int  # denoising forwards
     commit_forwards: int
     seconds: float
     steps: list[list[int]] = field(default_factory=list)  # template positions committed by each forward
+    # Choice slots: the answer's share of the remaining options' probability, multiplied over the blocks that
+    # decided it (1.0: no other option was possible; 0.5 for two options: a coin toss).
+    confidence: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -48,6 +52,7 @@ class Decision:
     commit_forwards: int = 0
     seconds: float = 0.0
     text: str = ""  # the reply as the model filled it
+    confidence: dict[str, float] = field(default_factory=dict)  # per question, as Filled.confidence
 
 
 def question_list(questions: Questions) -> list[tuple[str, list[str]]]:

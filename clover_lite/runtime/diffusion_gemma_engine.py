@@ -71,11 +71,14 @@ class DiffusionGemmaEngine:
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None, kernels: str | None = None) -> DiffusionGemmaEngine:
-        """16-bit or GPTQ INT4 weights; `kernels` (auto|torch|triton) as for the block denoisers."""
+             dtype: str | torch.dtype | None = None, kernels: str | None = None,
+             check_finite: bool = True) -> DiffusionGemmaEngine:
+        """16-bit or GPTQ INT4 weights; `kernels` (auto|torch|triton) and `check_finite` (refuse NaN/Inf
+        weights) as for the block denoisers."""
         path = Path(path)
         dev = resolve_device(device)
-        model, report = load_diffusion_gemma(path, dev, resolve_dtype(dtype, dev), kernels=kernels)
+        model, report = load_diffusion_gemma(path, dev, resolve_dtype(dtype, dev), kernels=kernels,
+                                             check_finite=check_finite)
         has_tokenizer = (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()
         tokenizer = Tokenizer.from_dir(path) if has_tokenizer else None
         settings = settings_from_generation_config(path, eos_fallback=model.config.eos_token_ids)

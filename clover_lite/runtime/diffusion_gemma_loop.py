@@ -265,8 +265,10 @@ def _canvases(model: DiffusionGemma, new: list[int], settings: DiffusionGemmaSet
         for cur_step in range(N, 0, -1):
             logits = model.denoise(canvas, cache, self_cond)
             if not bool(torch.isfinite(logits).all()):  # sampling would silently turn NaN into garbage tokens
+                advice = ("load the model in float32 or bfloat16 rather than float16" if dtype == torch.float16
+                          else "check its weights (load with check_finite=True, the default, scans them)")
                 raise NonFiniteError(f"canvas {index + 1}, step {N - cur_step + 1}: the decoder's logits hold NaN "
-                                     "or Inf; load the model in float32 or bfloat16 rather than float16")
+                                     f"or Inf; {advice}")
             tempered = logits / temperature(settings.t_min, settings.t_max, cur_step, N).to(device)
             probs = torch.softmax(tempered, dim=-1, dtype=torch.float32)
             sampled = torch.multinomial(probs.view(-1, V), 1, generator=generator).view(1, C)

@@ -233,9 +233,9 @@ class Engine:
         """Fill the slots of `template` in one denoising pass: "{name:N}" is N positions of free text,
         "{name:a|b}" (or `slots={"name": [...]}`) one of the listed strings; the template's own text never
         changes (syntax: runtime/template.py). With `prompt` (encoded as for `generate`), the template is the
-        reply to it; without, it starts the sequence. `mode="sequential"` commits one position per forward,
-        left to right, as an autoregressive model must. Generation settings (`threshold`, `temperature`, ...)
-        as for `generate`."""
+        reply to it; without, it starts the sequence. `mode="sequential"` commits one position (or choice slot)
+        per forward, left to right, as an autoregressive model must. Generation settings (`threshold`,
+        `temperature`, ...) as for `generate`."""
         cfg = self.canvas_config(config, **overrides)
         mask = self._mask_or_error()
         canvas = build_canvas(self._tokenizer_or_error(), template, slots, self.end_token_id, mask)
@@ -265,6 +265,7 @@ class Engine:
             probabilities={names[k]: v for k, v in filled.probabilities.items()},
             forwards=filled.forwards, order=[names[k] for k in filled.order], mode=mode,
             commit_forwards=filled.commit_forwards, seconds=filled.seconds, text=filled.text,
+            confidence={names[k]: v for k, v in filled.confidence.items()},
         )
 
     def canvas_config(self, config: GenerationConfig | None = None, **overrides) -> GenerationConfig:
@@ -309,7 +310,8 @@ class Engine:
             values[slot.name] = value
         return Filled(values=values, text=filled_text(canvas, values), token_ids=res.tokens,
                       probabilities=res.option_probabilities, order=res.order, forwards=res.forwards,
-                      commit_forwards=res.commit_forwards, seconds=res.seconds, steps=res.steps)
+                      commit_forwards=res.commit_forwards, seconds=res.seconds, steps=res.steps,
+                      confidence=res.confidence)
 
 
 def check_context(context: int | None, model_limit: int) -> None:
@@ -334,7 +336,8 @@ def load(
 
     A DiffusionGemma checkpoint (model_type `diffusion_gemma`, 16-bit or GPTQ INT4) gives a DiffusionGemmaEngine
     (runtime/diffusion_gemma_engine.py: `generate` and `stream` with its own settings); `device`, `dtype`,
-    `kernels` and `check_memory` apply to it, the block cache's options (`context`, `static_step`) do not.
+    `kernels`, `check_memory` and `check_finite` apply to it; the block cache's options (`context`,
+    `static_step`, `mask_token_id`) are refused (CloverError).
 
     `path` None loads the bundled default model. `device` "auto" picks CUDA when present; `dtype` None
     means fp32 on CPU and bf16 on a GPU. `check_memory` plans the model's memory first (clover_lite.plan) and
@@ -355,8 +358,8 @@ def load(
     if not model_path.is_dir():
         raise CloverError(f"{model_path}: expected a model directory (config.json, *.safetensors, tokenizer)")
     if is_diffusion_gemma_dir(model_path):
-        return _load_diffusion_gemma(model_path, device, dtype, kernels, check_memory, mask_token_id=mask_token_id,
-                                     context=context, static_step=static_step)
+        return _load_diffusion_gemma(model_path, device, dtype, kernels, check_memory, check_finite,
+                                     mask_token_id=mask_token_id, context=context, static_step=static_step)
     config = load_config(model_path)
     check_context(context, config.max_position_embeddings)  # before the memory plan, which would plan for it
     dev = resolve_device(device)
@@ -385,7 +388,7 @@ def load(
                   static_context=fits)
 
 
-def _load_diffusion_gemma(path: Path, device, dtype, kernels: str | None, check_memory: bool,
+def _load_diffusion_gemma(path: Path, device, dtype, kernels: str | None, check_memory: bool, check_finite: bool,
                           **engine_options) -> DiffusionGemmaEngine:
     from clover_lite.models.diffusion_gemma_config import load_diffusion_gemma_config
     from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaEngine
@@ -399,5 +402,5 @@ def _load_diffusion_gemma(path: Path, device, dtype, kernels: str | None, check_
 
         dev = resolve_device(device)
         check_load(path, load_diffusion_gemma_config(path), dev, resolve_dtype(dtype, dev))
-    return DiffusionGemmaEngine.load(path, device, dtype, kernels=kernels)
+    return DiffusionGemmaEngine.load(path, device, dtype, kernels=kernels, check_finite=check_finite)
 

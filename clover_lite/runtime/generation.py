@@ -173,7 +173,7 @@ class GenerationStats:
     new_tokens: int = 0  # tokens returned
     committed_tokens: int = 0  # positions decided by denoising steps (may exceed new_tokens past a stop)
     forwards: int = 0  # denoising steps
-    commit_forwards: int = 0  # clean forwards committing a finished block
+    commit_forwards: int = 0  # forwards committing a finished block (none with commit="reuse" or recompute)
     blocks: int = 0
     prefill_seconds: float = 0.0
     seconds: float = 0.0  # whole generation, prefill included
@@ -290,12 +290,15 @@ class CachedRunner:
         return self.model.step(self._ids(block), self.cache, pos)[0][0]
 
     @torch.no_grad()
-    def commit(self, block: Sequence[int]) -> None:
+    def commit(self, block: Sequence[int]) -> int:
+        """Append a finished block to the cache; returns the forwards that took (reuse keeps the last step's
+        states: none)."""
+        updates, self._last_updates = self._last_updates, None
         if self.static is not None and len(block) == self.block_size and self.cache.length % self.block_size == 0:
             self.static.commit(block)  # a full block of the grid: the captured commit
-        else:
-            self.model.commit(self._ids(block), self.cache, self.block_size, updates=self._last_updates)
-        self._last_updates = None
+            return 1
+        self.model.commit(self._ids(block), self.cache, self.block_size, updates=updates)
+        return int(updates is None)
 
 
 class RecomputeRunner:
@@ -325,8 +328,10 @@ class RecomputeRunner:
         self.committed = list(before)
         return self.step(block, positions)
 
-    def commit(self, block: Sequence[int]) -> None:
+    def commit(self, block: Sequence[int]) -> int:
+        """The block joins the sequence re-run at every step: no forward of its own."""
         self.committed += list(block)
+        return 0
 
 
 # ---- the loop ----------------------------------------------------------------------------------
@@ -462,8 +467,7 @@ def denoise(
         generated += final[gen0:]  # what `detok` holds: the whole block was contiguous, with no stop token
         stats.blocks += 1
         if end < total:
-            runner.commit(final)
-            stats.commit_forwards += 1
+            stats.commit_forwards += runner.commit(final)
         yield BlockEvent(block_start=start, tokens=final, text=detok.text)
         start = end
 

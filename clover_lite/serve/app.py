@@ -257,7 +257,8 @@ class Server:
                  job.queue_seconds, time.monotonic() - t0)
         return JSONResponse({
             "id": new_id("decide"), "object": "clover.decision", "model": self.settings.model_id,
-            "answers": d.answers, "probabilities": d.probabilities, "order": d.order, "mode": d.mode,
+            "answers": d.answers, "confidence": d.confidence, "probabilities": d.probabilities, "order": d.order,
+            "mode": d.mode,
             "forwards": d.forwards, "commit_forwards": d.commit_forwards, "seconds": round(d.seconds, 4),
             "queue_seconds": round(job.queue_seconds, 4),
         })
