@@ -214,13 +214,15 @@ def test_a_failed_write_keeps_the_finished_layers_for_resume(tmp_path, monkeypat
 
 class FullDisk:
     """A disk that fills up after `room` more bytes: every file write through Python's io or safetensors' writer
-    beyond that raises ENOSPC, as a real full disk does (the bytes that fit are written)."""
+    beyond that fails as on a real full disk: ENOSPC from io, safetensors' SafetensorError (not an OSError)
+    naming os error 28 from its writer (the bytes that fit are written)."""
 
     def __init__(self, monkeypatch, room: int):
         import builtins
         import errno
 
         import safetensors.torch as st
+        from safetensors import SafetensorError
 
         self.room = room
         real_open, real_save_file = builtins.open, st.save_file
@@ -254,15 +256,17 @@ class FullDisk:
             return Writer(f, str(file)) if any(c in mode for c in "wax+") else f
 
         def save_file(tensors, filename, metadata=None):
-            spend(sum(t.numel() * t.element_size() for t in tensors.values()), str(filename))
+            try:
+                spend(sum(t.numel() * t.element_size() for t in tensors.values()), str(filename))
+            except OSError:  # safetensors' writer reports it as its own error, with the OS error's text
+                message = "Error while serializing: I/O error: No space left on device (os error 28)"
+                raise SafetensorError(message) from None
             real_save_file(tensors, filename, metadata=metadata)
 
         monkeypatch.setattr(builtins, "open", open_)
         monkeypatch.setattr(st, "save_file", save_file)
         monkeypatch.setattr(Path, "write_text", lambda self, text, *a, **k: spend(len(text), str(self))
                             or real_write_text(self, text, *a, **k))
-        for module in ("clover_lite.checkpoint.save", "clover_lite.quant.pipeline"):
-            monkeypatch.setattr(f"{module}.save_file", save_file)
 
 
 real_write_text = Path.write_text
@@ -297,3 +301,29 @@ def test_quantize_on_a_full_disk_keeps_the_finished_layers_and_resumes_byte_iden
     assert files == sorted(p.name for p in (tmp_path / "q").iterdir())
     for name in files:
         assert (ref / name).read_bytes() == (tmp_path / "q" / name).read_bytes(), name
+
+
+def test_a_second_quantize_into_the_same_output_is_refused_until_the_first_ends(tmp_path):
+    """Another process writing OUT (it holds OUT's lock): quantize is refused at once, naming it, and touches
+    nothing; once that process is killed (no clean exit: the kernel drops its lock) the same command runs."""
+    src = write_tiny_checkpoint(tmp_path / "src", seed=3)
+    out = tmp_path / "q"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from clover_lite.checkpoint.output import exclusive_writer
+        with exclusive_writer(Path({str(out)!r}), "clover quantize"):
+            print("held", flush=True)
+            time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(OutputError, match="another clover quantize is writing .*q now"):
+            quantize_model(src, out, QuantizeOptions(**FAST))
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".q.lock", "src"]  # no partial begun
+    finally:
+        holder.kill()
+        holder.wait()
+    r = quantize_model(src, out, QuantizeOptions(**FAST))
+    assert r.out == out and (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "src"]  # the lock file goes with the run

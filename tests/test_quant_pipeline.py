@@ -124,19 +124,40 @@ def test_moe_calibration_all_vs_routed(tmp_path):
     assert len(clover_lite.load(tmp_path / "routed").generate("x", max_new_tokens=4).token_ids) == 4
 
 
-def test_interrupt_and_resume_is_byte_identical(src, gptq_out, tmp_path):
-    out = tmp_path / "resumed"
-
+def _interrupted_after_layer_1(src, out) -> None:
+    """A run stopped by Ctrl-C once its second layer is finished: its partial holds layers 0 and 1."""
     def stop_after_layer_1(i, n, info):
         if i == 1:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
         quantize_model(src, out, QuantizeOptions(**FAST), on_layer=stop_after_layer_1)
+
+
+def test_interrupt_and_resume_is_byte_identical(src, gptq_out, tmp_path):
+    out = tmp_path / "resumed"
+    _interrupted_after_layer_1(src, out)
     assert not out.exists()
     assert (tmp_path / ".resumed.partial" / "state.json").exists()
     quantize_model(src, out, QuantizeOptions(**FAST), resume=True)
     _assert_same_files(gptq_out[0], out)
+
+
+def test_resume_counts_the_finished_layers_already_on_disk(src, tmp_path, monkeypatch):
+    """The free-space check of a resumed run asks only for what is not written yet: the estimate less the
+    bytes its partial already holds (a run stopped by a full disk must be able to continue in what is left)."""
+    from clover_lite.quant import pipeline
+
+    out = tmp_path / "q"
+    _interrupted_after_layer_1(src, out)
+    partial = tmp_path / ".q.partial"
+    held = sum(f.stat().st_size for f in partial.iterdir() if f.is_file())
+    asked, real_check = [], pipeline.check_output
+    monkeypatch.setattr(pipeline, "check_output", lambda *a, **k: asked.append(k.get("needed_bytes", 0))
+                        or real_check(*a, **k))
+    quantize_model(src, out, QuantizeOptions(**FAST), resume=True)
+    needed = pipeline._prepare(src, QuantizeOptions(**FAST))[1]
+    assert held > 0 and asked[-1] == max(0, needed - held)
 
 
 def _killed(src, out, die_at: str, resume: bool) -> None:

@@ -9,16 +9,21 @@ directory with the old, so a crash leaves one of the two at OUT, never neither.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+
+import safetensors
+import safetensors.torch
 
 from clover_lite.errors import CloverError
 
@@ -95,7 +100,7 @@ def check_output(out: str | os.PathLike, sources: Iterable[str | os.PathLike] = 
                               "not write; move them out or choose another directory (nothing was changed)")
         if not force:
             raise OutputError(f"OUT {out} already exists (an earlier output); choose another directory, or pass "
-                              "--force (force=True) to replace it")
+                              "--force (in Python: force=True) to replace it")
     parent = real.parent
     while not parent.exists():
         parent = parent.parent
@@ -197,6 +202,17 @@ def check_file_target(path: str | os.PathLike) -> Path:
     return path
 
 
+def save_tensors(tensors: dict, path: str | os.PathLike) -> None:
+    """safetensors' save_file, whose failed write (a full disk) raises its own SafetensorError, not an OSError:
+    turned into the OSError it reports ("... (os error 28)"), so every writer handles one kind of failure."""
+    try:
+        safetensors.torch.save_file(tensors, str(path), metadata={"format": "pt"})
+    except safetensors.SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        err = int(code.group(1)) if code else errno.EIO
+        raise OSError(err, os.strerror(err), str(path)) from e
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write a file whole or not at all (a temporary sibling renamed over it)."""
     path = Path(path)
@@ -207,3 +223,37 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise OutputError(f"cannot write {path}: {e.strerror or e}") from e
+
+
+@contextlib.contextmanager
+def exclusive_writer(out: Path, command: str) -> Iterator[None]:
+    """Hold `.OUT.lock` beside OUT while a long command writes OUT: a second one writing the same OUT is refused
+    at once instead of sharing (and corrupting) its partial output. The lock is the kernel's (flock), so a
+    killed run leaves no stale lock; the file goes when the holder finishes."""
+    make_parents(out)
+    path = out.parent / f".{out.name}.lock"
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OutputError(f"cannot write {out}: {e.strerror or e} in {out.parent}; choose a directory you "
+                              "can write to") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputError(f"another {command} is writing {out} now (it holds {path}); wait for it to finish "
+                              "or choose another output") from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the holder before us removed the file as it finished: lock the one there now
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)

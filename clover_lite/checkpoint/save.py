@@ -14,9 +14,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from clover_lite.checkpoint.output import OutputError, check_output, publish_directory, temporary_sibling
+from clover_lite.checkpoint.output import OutputError, check_output, publish_directory, save_tensors, temporary_sibling
 from clover_lite.models.denoiser import Denoiser
 
 
@@ -83,12 +82,12 @@ def save_checkpoint(
             shards[-1][name] = t
             size += nbytes
         if len(shards) == 1:
-            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            save_tensors(shards[0], tmp / "model.safetensors")
         else:
             weight_map = {}
             for i, shard in enumerate(shards):
                 fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+                save_tensors(shard, tmp / fname)
                 weight_map.update(dict.fromkeys(shard, fname))
             total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from clover_lite.checkpoint.diffusion_gemma_weights import hub_name
-from clover_lite.checkpoint.output import write_directory
+from clover_lite.checkpoint.output import save_tensors, write_directory
 from clover_lite.checkpoint.random_weights import init_random_
 from clover_lite.models.diffusion_gemma import DiffusionGemma
 from clover_lite.models.diffusion_gemma_config import diffusion_gemma_config_from_dict
@@ -141,7 +140,7 @@ def write_tiny_diffusion_gemma(out: str | os.PathLike, seed: int = 0, force: boo
     model = randomize_(DiffusionGemma(config).float(), seed)
 
     def write(tmp: Path) -> None:
-        save_file(hub_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(hub_tensors(model), tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(generation_config(max_denoising_steps), indent=2))
         write_byte_tokenizer(tmp, SPECIALS, TEMPLATE, eos_token="<end_of_turn>", mask_token="<mask>")

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from clover_lite.checkpoint.names import hub_layout
-from clover_lite.checkpoint.output import write_directory
+from clover_lite.checkpoint.output import save_tensors, write_directory
 from clover_lite.checkpoint.random_weights import init_random_
 from clover_lite.checkpoint.save import checkpoint_tensors
 from clover_lite.models.config import config_from_dict
@@ -148,7 +147,7 @@ def write_family_checkpoint(out: str | os.PathLike, kind: str, seed: int = 0, fo
 
     def write(tmp: Path) -> None:
         tensors = dict(hub_layout(config, checkpoint_tensors(model, torch.float32)))
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(tensors, tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2))
         _tokenizer_files(kind)(tmp)
 

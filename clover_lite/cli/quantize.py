@@ -114,11 +114,13 @@ def quantize(src, out, method, group_size, asym, no_act_order, no_static_groups,
     console = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("layers"),
                TimeRemainingColumn())
+    finished = [0]  # layers finished by this run: what an interruption keeps
     try:
         with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
             task = bar.add_task("quantizing", total=None)
 
             def on_layer(i: int, n: int, info: dict) -> None:
+                finished[0] += 1
                 bar.update(task, completed=i + 1, total=n, description=f"layer {i + 1}/{n} ({info['kind']})")
                 if not console.is_terminal:
                     errs = ", ".join(f"{k} {v:.4f}" for k, v in info["errors"].items())
@@ -129,8 +131,13 @@ def quantize(src, out, method, group_size, asym, no_act_order, no_static_groups,
             run = quantize_diffusion_gemma if is_diffusion_gemma_dir(Path(src)) else quantize_model
             report = run(src, out, options, force=force, resume=resume, restart=restart, on_layer=on_layer)
     except KeyboardInterrupt:
-        click.echo(f"\ninterrupted: rerun the same command with --resume to continue from the finished layers "
-                   f"({out} was not written)", err=True)
+        partial = Path(out).parent / f".{Path(out).name}.partial"
+        if partial.is_dir():
+            click.echo(f"\ninterrupted ({out} was not written): the run so far is in {partial} "
+                       f"({finished[0]} layer(s) finished here); rerun the same command with --resume to continue, "
+                       "or with --restart (or delete that directory) to start over", err=True)
+        else:
+            click.echo(f"\ninterrupted before any output was written ({out} was not written)", err=True)
         sys.exit(130)
     except CloverError as e:
         fail(e)

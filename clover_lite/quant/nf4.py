@@ -6,6 +6,8 @@ baseline is the real thing; dequantizing is plain PyTorch, so NF4 models run wit
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from clover_lite.errors import CloverError
@@ -20,6 +22,8 @@ NF4_LEVELS = (
 
 def quantize_nf4(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (packed uint8 [N*K/2], absmax fp32 [N*K/blocksize]) with bitsandbytes."""
+    # bitsandbytes warns on import that an optional CPU GEMM kernel is missing: we only quantize with it.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         import bitsandbytes.functional as bnbf
     except ImportError as e:

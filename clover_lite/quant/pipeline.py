@@ -12,6 +12,7 @@ from the last finished layer and produces byte-identical output.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -25,7 +26,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from clover_lite.checkpoint.files import read_header
 from clover_lite.checkpoint.load import Checkpoint, build_model, copy_tensors, plan_checkpoint
@@ -33,9 +33,11 @@ from clover_lite.checkpoint.names import canonical_name, model_name
 from clover_lite.checkpoint.output import (
     OutputError,
     check_output,
+    exclusive_writer,
     make_parents,
     owned_files,
     publish_directory,
+    save_tensors,
     write_text_atomic,
 )
 from clover_lite.checkpoint.save import checkpoint_tensors
@@ -266,8 +268,13 @@ def save_layer(partial: Path, i: int, n_shards: int, tensors: dict[str, torch.Te
     state that records it, each written atomically, in that order: a crash between them redoes layer i."""
     _atomic_save_file(tensors, partial / f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors")
     if acts is not None:
-        torch.save(acts, acts_file.with_name("activations.pt.tmp"))
-        os.replace(acts_file.with_name("activations.pt.tmp"), acts_file)
+        tmp = acts_file.with_name("activations.pt.tmp")
+        try:
+            torch.save(acts, tmp)
+        except RuntimeError as e:  # torch's writer reports a failed write (a full disk) as a RuntimeError
+            tmp.unlink(missing_ok=True)
+            raise OSError(errno.EIO, f"{e}".splitlines()[0], str(tmp)) from e
+        os.replace(tmp, acts_file)
     state["layers"].append(entry)
     state["next_layer"] = i + 1
     write_text_atomic(state_file, json.dumps(state))
@@ -275,7 +282,11 @@ def save_layer(partial: Path, i: int, n_shards: int, tensors: dict[str, torch.Te
 
 def _atomic_save_file(tensors: dict, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    try:
+        save_tensors(tensors, tmp)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 
@@ -352,8 +363,18 @@ def quantize_model(
                                 "clover_lite.quant.diffusion_gemma.quantize_diffusion_gemma (what `clover quantize` "
                                 "runs for it)")
     options, needed, run = (prepare or _prepare)(src, options)
-    check_output(out, sources=[src], force=force, needed_bytes=needed)
     partial = out.parent / f".{out.name}.partial"
+    # A resumed run's finished layers (and its activations, rewritten in place) are already on the disk.
+    held = sum(f.stat().st_size for f in partial.iterdir() if f.is_file()) if resume and partial.is_dir() else 0
+    check_output(out, sources=[src], force=force, needed_bytes=max(0, needed - held))
+    with exclusive_writer(out, "clover quantize"):
+        return _run_in_partial(src, out, options, partial, run, t0, resume, restart, on_layer)
+
+
+def _run_in_partial(src: Path, out: Path, options: QuantizeOptions, partial: Path, run: Run, t0: float,
+                    resume: bool, restart: bool, on_layer) -> QuantizeReport:
+    """quantize_model's run in `.OUT.partial`, while it holds OUT's lock: a new partial or the unfinished one,
+    and what a failure keeps of it."""
     # Ours: an unfinished run, or the old output a replacement swapped out just before a crash.
     ours = (partial / PARTIAL_MARKER).exists() or owned_files(partial) is not None
     if partial.exists() and not ours and any(partial.iterdir()):
@@ -438,18 +459,19 @@ def unfinished_run(partial: Path, src: Path, options: QuantizeOptions, resume: b
     except (OSError, ValueError, KeyError, TypeError):
         return None  # killed before its first layer finished: nothing to lose
     same = state.get("fingerprint") == options.fingerprint() and state.get("source") == str(src.resolve())
+    done = f"{done} layer{'' if done == 1 else 's'}"
     if resume and same and state.get("source_files") != source_files(src):
         raise QuantizationError(
-            f"the source {src} changed since the unfinished run in {partial} began ({done} layers done), so its "
+            f"the source {src} changed since the unfinished run in {partial} began ({done} done), so its "
             "finished layers no longer match it: pass --restart to quantize the source as it is now")
     if resume and same:
         return state
     if resume:
         raise QuantizationError(
-            f"the unfinished run in {partial} ({done} layers done) used another source or other settings: "
+            f"the unfinished run in {partial} ({done} done) used another source or other settings: "
             "rerun with its settings and --resume to continue it, or pass --restart to discard it")
     raise QuantizationError(
-        f"an unfinished run of this quantization is in {partial} ({done} layers done): pass --resume to "
+        f"an unfinished run of this quantization is in {partial} ({done} done): pass --resume to "
         "continue it" + ("" if same else " (it used other settings than these)")
         + ", or --restart to discard it and start again")
 

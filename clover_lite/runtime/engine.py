@@ -161,7 +161,9 @@ class Engine:
 
     def _tokenizer_or_error(self) -> Tokenizer:
         if self.tokenizer is None:
-            raise GenerationError(f"{self.path}: the model has no tokenizer files; pass token ids instead of text")
+            raise GenerationError(f"{self.path}: the model has no tokenizer files (tokenizer.json or "
+                                  "tokenizer.model); copy them from the model it was made from, or pass token ids "
+                                  "instead of text")
         return self.tokenizer
 
     # ---- generation -------------------------------------------------------------------------------

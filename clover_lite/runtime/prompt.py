@@ -20,7 +20,9 @@ def prompt_ids(prompt: Prompt, tokenizer: Tokenizer | None, vocab_size: int, *, 
 
     def tok() -> Tokenizer:
         if tokenizer is None:
-            raise GenerationError(f"{path}: the model has no tokenizer files; pass token ids instead of text")
+            raise GenerationError(f"{path}: the model has no tokenizer files (tokenizer.json or "
+                                  "tokenizer.model); copy them from the model it was made from, or pass token ids "
+                                  "instead of text")
         return tokenizer
 
     if isinstance(prompt, str):
