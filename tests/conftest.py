@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from . import devices
+from .seed import SEED
 
 # One thread per test process: on a 2-core machine (two xdist workers, or anything else running) OpenMP
 # threads spin-waiting for a busy core make small ops 10-100x slower.
@@ -77,7 +78,13 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED  # a GPU run that ran nothing checked nothing
 
 
+def pytest_report_header(config):
+    return f"random inputs from seed {SEED} (CLOVER_TEST_SEED={SEED} repeats them)"
+
+
 def pytest_terminal_summary(terminalreporter, config):
+    if terminalreporter.stats.get("failed") or terminalreporter.stats.get("error"):  # -q hides the header
+        terminalreporter.write_line(f"random inputs were from seed {SEED}: CLOVER_TEST_SEED={SEED} repeats them")
     ran, errors = config.stash.get(_RAN, 0), config.stash.get(_ERRORS, {})
     if config.option.collectonly or not (devices.on_gpu() or ran):
         return

@@ -198,3 +198,17 @@ def test_reuse_mode_generates_end_to_end(tiny_engine):
                                    ignore_eos=True, block_size=4)
         assert len(out.token_ids) == 12 and out.stats.blocks == 4
         assert out.stats.commit_forwards == forwards, commit
+
+
+def test_block_causal_mask_hand_worked():
+    """Queries 12..19 at block 4 against keys 0..19: queries 12-15 (block 3) see keys 0-15, queries 16-19
+    (block 4) see all 20; one block, or no block size, needs no mask."""
+    from clover_lite.models.denoiser import block_causal_mask
+
+    mask = block_causal_mask(12, 8, 4, torch.device("cpu"))
+    expected = torch.zeros(8, 20, dtype=torch.bool)
+    expected[:4, :16] = True
+    expected[4:, :] = True
+    assert torch.equal(mask, expected)
+    assert block_causal_mask(13, 3, 4, torch.device("cpu")) is None  # 13..15: inside block 3
+    assert block_causal_mask(0, 9, None, torch.device("cpu")) is None

@@ -292,6 +292,25 @@ def test_unknown_setting_is_named():
         GenerationConfig().replace(blocksize=3)
 
 
+def test_tempered_choice_and_its_confidence_against_float64():
+    """At temperature T a token is drawn from softmax(logits / T), and `prob` is its probability there; `margin`
+    is its probability less the best other one (negative for a pick below the top), `entropy` exp(-H)."""
+    from clover_lite.runtime.sampling import confidence_of
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    logits = torch.randn(64, 7, generator=gen) * 3
+    for T in (0.5, 2.0):
+        tokens, conf = choose(logits, temperature=T, generator=gen)
+        ref = torch.softmax(logits.double() / T, -1)
+        torch.testing.assert_close(conf.double(), ref.gather(1, tokens[:, None]).squeeze(1), atol=1e-6, rtol=1e-5)
+    probs = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3]])
+    margin = confidence_of(probs, torch.tensor([1, 1]), "margin")
+    torch.testing.assert_close(margin, torch.tensor([0.3 - 0.6, 0.5 - 0.3]))
+    h = -(probs.double() * probs.double().log()).sum(-1)
+    torch.testing.assert_close(confidence_of(probs, torch.tensor([0, 0]), "entropy").double(), torch.exp(-h),
+                               atol=1e-6, rtol=1e-6)
+
+
 def test_select_positions_hand_worked():
     """Threshold: strictly above it (a confidence equal to it does not commit), else the single most
     confident; fixed: the schedule's count for the step (block 7 in 3 steps: 3, 2, 2), the most confident."""

@@ -6,6 +6,8 @@ import torch
 
 from clover_lite.models.gdn import causal_conv, gated_delta_rule_chunked, gated_delta_rule_recurrent
 
+from .seed import SEED
+
 
 def _inputs(b, L, hk, hv, dk, dv, gen, dtype=torch.float64):
     q = torch.randn(b, L, hk, dk, generator=gen, dtype=dtype)
@@ -38,7 +40,7 @@ def _naive(q, k, v, g, beta, S):
 
 @pytest.mark.parametrize("L,hk,hv", [(1, 2, 2), (7, 1, 2), (33, 2, 4), (130, 2, 2)])
 def test_chunked_equals_definition(L, hk, hv):
-    gen = torch.Generator().manual_seed(L * 10 + hv)
+    gen = torch.Generator().manual_seed(SEED + L * 10 + hv)
     q, k, v, g, beta, s0 = _inputs(2, L, hk, hv, 8, 6, gen)
     ref_o, ref_s = _naive(q, k, v, g, beta, s0)
     rec_o, rec_s = gated_delta_rule_recurrent(q, k, v, g, beta, s0)
@@ -50,7 +52,7 @@ def test_chunked_equals_definition(L, hk, hv):
 
 
 def test_state_continues_across_calls_and_input_state_untouched():
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(SEED + 7)
     q, k, v, g, beta, s0 = _inputs(1, 50, 2, 4, 8, 8, gen, dtype=torch.float32)
     s0_copy = s0.clone()
     whole_o, whole_s = gated_delta_rule_chunked(q, k, v, g, beta, s0)
@@ -62,7 +64,7 @@ def test_state_continues_across_calls_and_input_state_untouched():
 
 
 def test_causal_conv_tail_continuation():
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(SEED + 3)
     C, K, L = 6, 4, 11
     x = torch.randn(2, C, L, generator=gen)
     w = torch.randn(C, K, generator=gen)

@@ -8,6 +8,7 @@ from clover_lite.checkpoint.load import load_model
 from clover_lite.models import load_config
 
 from . import hf_models
+from .seed import SEED
 
 pytest.importorskip("transformers")
 
@@ -15,7 +16,7 @@ pytest.importorskip("transformers")
 def _compare(hf_model, path, lengths=(1, 3, 17, 70), tol=2e-5, tie=False):
     config = load_config(path)
     ours, report = load_model(path, config)
-    gen = torch.Generator().manual_seed(sum(lengths))
+    gen = torch.Generator().manual_seed(SEED + sum(lengths))
     for T in lengths:
         ids = torch.randint(0, config.vocab_size, (2, T), generator=gen)
         with torch.no_grad():

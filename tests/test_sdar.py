@@ -26,6 +26,7 @@ from clover_lite.models import config_from_dict, load_config
 from clover_lite.runtime.generation import CachedRunner, GenerationConfig, RecomputeRunner, denoise, run_to_end
 
 from . import hf_models
+from .seed import SEED
 from .test_block_diffusion import Recorder
 
 transformers = pytest.importorskip("transformers")
@@ -94,7 +95,7 @@ def _qwen3_moe(tmp_path, seed, norm_topk_prob=True):
 def _compare_causal(hf_model, path, lengths=(1, 5, 23)):
     config = load_config(path)
     ours, _ = load_model(path, config)
-    gen = torch.Generator().manual_seed(sum(lengths))
+    gen = torch.Generator().manual_seed(SEED + sum(lengths))
     for T in lengths:
         ids = torch.randint(0, config.vocab_size, (2, T), generator=gen)
         with torch.no_grad():
@@ -184,7 +185,7 @@ def sdar_reference(w: dict, cfg: dict, ids: torch.Tensor, block: int) -> torch.T
 def test_block_causal_forward_matches_sdar_mask_semantics(tmp_path, moe):
     _, path, tensors, cfg = (_qwen3_moe(tmp_path, seed=3) if moe else _qwen3(tmp_path, seed=3))
     model, _ = load_model(path, load_config(path))
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(SEED + 5)
     for T in (4, 11, 18):  # whole blocks, and a last partial block
         ids = torch.randint(0, cfg["vocab_size"], (2, T), generator=gen)
         with torch.no_grad():
@@ -243,7 +244,7 @@ def test_tiny_checkpoint_loads_with_family_defaults(sdar_engine):
 @pytest.mark.parametrize("prompt_len, block_size", [(3, 4), (9, 4), (5, 1)])
 def test_cached_generation_equals_recompute_runner(sdar_engine, prompt_len, block_size):
     model = sdar_engine.model
-    gen = torch.Generator().manual_seed(prompt_len)
+    gen = torch.Generator().manual_seed(SEED + prompt_len)
     prompt = torch.randint(0, 256, (prompt_len,), generator=gen).tolist()
     cfg = GenerationConfig(max_new_tokens=14, block_size=block_size, threshold=0.01).resolved(None)
     cached, ref = Recorder(CachedRunner(model, block_size)), Recorder(RecomputeRunner(model, block_size))
@@ -253,6 +254,22 @@ def test_cached_generation_equals_recompute_runner(sdar_engine, prompt_len, bloc
     assert len(cached.logits) == len(ref.logits) == a.stats.forwards
     for x, y in zip(cached.logits, ref.logits, strict=True):
         torch.testing.assert_close(x, y, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("chunk", [4, 10, 12, 2048])
+def test_prefill_in_chunks_equals_one_forward(sdar_engine, chunk):
+    """Every layer attends (no GDN), so a prompt committed in chunks (10 is rounded down to whole blocks of 4:
+    8) must leave the cache a step reads exactly as one block-causal forward over prompt + block sees it."""
+    model, B = sdar_engine.model, 4
+    gen = torch.Generator().manual_seed(SEED + chunk)
+    prompt = torch.randint(0, 256, (1, 4 * int(torch.randint(3, 7, (), generator=gen))), generator=gen)
+    block = torch.randint(0, 256, (1, B), generator=gen)
+    with torch.no_grad():
+        cache = model.new_cache()
+        model.prefill(prompt, cache, B, chunk_tokens=chunk)
+        out, _ = model.step(block, cache)
+        ref = model(torch.cat([prompt, block], 1), block_size=B)[:, prompt.shape[1]:]
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
 # ---- kernels and quantization --------------------------------------------------------------------------

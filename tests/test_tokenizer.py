@@ -281,7 +281,9 @@ def test_complex_template_matches_transformers(complex_dir: Path, rng: random.Ra
             elif r < 0.35:
                 message["metadata"] = {"note": random_text(rng, 8), "n": rng.randint(0, 9), "html": "<b>&'"}
             elif r < 0.45 and message["role"] == "assistant":
-                message["reasoning_content"] = random_text(rng, 8)
+                # Older names reach the template as reasoning_content too (transformers is given that name).
+                field = rng.choice(["reasoning_content", "thinking", "reasoning"])
+                message[field] = random_text(rng, 8)
             elif r < 0.5:
                 message["tool_calls"] = None  # dropped like transformers does
         tools = None
@@ -302,9 +304,14 @@ def test_complex_template_matches_transformers(complex_dir: Path, rng: random.Ra
             kwargs["enable_thinking"] = rng.random() < 0.5
         if rng.random() < 0.4:
             kwargs["max_turns"] = rng.randint(1, 4)
+        given = [  # what transformers needs to render the same: the reasoning under the template's name
+            {**m, "reasoning_content": next(m[f] for f in ("reasoning_content", "thinking", "reasoning") if f in m)}
+            if {"reasoning_content", "thinking", "reasoning"} & set(m) else m
+            for m in messages
+        ]
         for gen in (True, False):
             expected = theirs.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=gen, **kwargs
+                given, tools=tools, tokenize=False, add_generation_prompt=gen, **kwargs
             )
             assert (
                 ours.apply_chat_template(messages, add_generation_prompt=gen, tools=tools, **kwargs)
