@@ -189,6 +189,15 @@ def test_eval_against_another_vocabulary_is_a_clear_error(tmp_path):
     assert r.exit_code == 1 and "differ in vocabulary" in r.output, r.output
 
 
+def test_eval_against_another_architecture_is_a_clear_error(tmp_path):
+    """Same tokenizer and vocabulary, another model (fewer layers): refused, naming what differs."""
+    a = write_tiny_checkpoint(tmp_path / "a", seed=1)
+    b = write_tiny_checkpoint(tmp_path / "b", seed=1, num_hidden_layers=2,
+                              layer_types=["linear_attention", "full_attention"])
+    r = CliRunner().invoke(main, ["eval", str(a), "--against", str(b), "--nsamples", "2", "--seqlen", "16"])
+    assert r.exit_code == 1 and "different architectures (num_hidden_layers 4 vs 2)" in r.output, r.output
+
+
 def test_a_failed_write_keeps_the_finished_layers_for_resume(tmp_path, monkeypatch):
     from clover_lite.quant import pipeline
 

@@ -72,8 +72,15 @@ def _masked_log_probs(engine: Engine, x: torch.Tensor, masked: torch.Tensor, blo
 
 
 def _check_comparable(engine: Engine, reference: Engine) -> None:
-    """KL and agreement compare distributions over the same tokens: same vocabulary, same mask token."""
+    """KL and agreement measure what quantization changed: the same vocabulary, mask token and tokenizer, and
+    the same architecture (another model's KL is how far two models are, not a quantization error)."""
     ours, theirs = engine.config, reference.config
+    shape = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts")
+    differ = [f"{k} {getattr(ours, k)} vs {getattr(theirs, k)}" for k in shape
+              if getattr(ours, k) != getattr(theirs, k)]
+    if differ:
+        raise CloverError(f"the model and --against are different architectures ({', '.join(differ)}); compare a "
+                          "model with the checkpoint it was quantized from")
     if ours.vocab_size != theirs.vocab_size or engine.mask_token_id != reference.mask_token_id:
         raise CloverError(
             f"the model and --against differ in vocabulary ({ours.vocab_size} vs {theirs.vocab_size} tokens, mask "
