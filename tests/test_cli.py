@@ -256,3 +256,10 @@ def test_info_plans_within_the_model_and_refuses_impossible_settings():
     for value in ("0", "-4"):
         r = CliRunner().invoke(main, ["info", "tiny", "--block-size", value])
         assert r.exit_code == 2 and "--block-size" in r.output
+
+
+def test_a_text_that_no_longer_extends_what_was_shown_shows_nothing_more():
+    s = TextStreamer()
+    assert s.feed("abc") == "abc"
+    assert s.feed("xbcd") == ""  # not an extension of "abc": nothing appended to the garbled prefix
+    assert s.finish("xbcd") == "\nxbcd"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import random
 from pathlib import Path
 
@@ -22,15 +21,12 @@ from clover_lite.tokenizer.byte_tokenizer import write_byte_tokenizer, write_tok
 from clover_lite.tokenizer.incremental import IncrementalDecoder
 from clover_lite.tokenizer.tokenizer import Tokenizer
 
+from .seed import SEED
 from .test_tokenizer import random_text
-
-# Fresh inputs every run; set CLOVER_TEST_SEED to replay a failure (the seed is printed on failure).
-SEED = int(os.environ.get("CLOVER_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
 
 
 @pytest.fixture
 def rng() -> random.Random:
-    print(f"CLOVER_TEST_SEED={SEED}")
     return random.Random(SEED)
 
 

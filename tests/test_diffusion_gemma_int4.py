@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import clover_lite
 from clover_lite.checkpoint.diffusion_gemma_weights import load_diffusion_gemma
@@ -28,7 +28,7 @@ from clover_lite.planning.memory import QuantScheme
 from clover_lite.planning.planner import model_bytes
 from clover_lite.quant.diffusion_gemma import quantize_diffusion_gemma
 from clover_lite.quant.pipeline import QuantizationError, QuantizeOptions, quantize_model
-from tests.test_quant_loader import fake_gptq
+from tests.test_quant_loader import fake_gptq, write_twins
 
 FAST = dict(group_size=32, nsamples=16, seqlen=64)
 SEED = int(torch.randint(0, 10_000, ()))
@@ -146,12 +146,8 @@ def test_other_tools_gptq_checkpoint_equals_float_model(src, tmp_path, fmt, sym,
             quant.update({f"{base}.{k}": v for k, v in tensors.items() if k != "g_idx" or g_idx_saved})
         else:
             quant[name] = floats[name] = w
-    qdir, fdir = tmp_path / "q", tmp_path / "f"
-    for d, tensors in ((qdir, quant), (fdir, floats)):
-        shutil.copytree(src, d)
-        save_file(tensors, d / "model.safetensors")
-    (qdir / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 16, "sym": sym, "quant_method":
-                                                           "gptq", "desc_act": act_order, "checkpoint_format": fmt}))
+    qdir, fdir = write_twins(src, tmp_path, quant, floats, {"bits": 4, "group_size": 16, "sym": sym, "quant_method":
+                                                            "gptq", "desc_act": act_order, "checkpoint_format": fmt})
     q, _ = load_diffusion_gemma(qdir)
     f, _ = load_diffusion_gemma(fdir)
     assert isinstance(q.decoder.layers[1].experts, QuantExperts)

@@ -8,7 +8,6 @@ sequential, and each bad input is one clear error. Random cases draw a fresh see
 
 import itertools
 import math
-import os
 import random
 import zlib
 
@@ -20,7 +19,8 @@ from clover_lite.runtime.canvas import fill_canvas
 from clover_lite.runtime.generation import CachedRunner, GenerationConfig, RecomputeRunner
 from clover_lite.runtime.template import build_canvas, parse
 
-SEED = int(os.environ.get("CLOVER_TEST_SEED", random.randrange(1 << 30)))
+from .seed import SEED
+
 LETTERS = "abcdefgh"
 
 
@@ -239,9 +239,9 @@ class _RowsRunner(ScriptedRunner):
 @pytest.mark.parametrize("mode", ["joint", "sequential"])
 def test_an_option_that_extends_another_wins_when_its_continuation_is_likelier(mode):
     """Options a and a b c (token ids, random, in random order) in one block of 8 after a 1-token prompt; the
-    end token pads a to a END END. Random logits over a vocabulary of 16, then a boost to the end token at
-    positions 2-3 (short must win) or to b and c there (long must win). The winner and both probabilities are
-    the hand-computed products of what each option writes: p1(a) p2(END) p3(END) against p1(a) p2(b) p3(c)."""
+    end token pads a to a END END. Random logits over a vocabulary of 16, then the end token (short must win)
+    or b and c (long must win) at positions 2-3 lifted above each row's best. The winner and both probabilities
+    are the hand-computed products of what each option writes: p1(a) p2(END) p3(END) against p1(a) p2(b) p3(c)."""
     from clover_lite.runtime.template import Canvas, Slot
 
     rng = random.Random(SEED + 11)
@@ -257,8 +257,8 @@ def test_an_option_that_extends_another_wins_when_its_continuation_is_likelier(m
         logits = torch.randn(3, V, generator=g) * 2  # rows: positions 1-3
         logits[0, a] += 3
         want = "short" if case % 2 else "long"
-        for row, token in ((1, b), (2, c)):
-            logits[row, END if want == "short" else token] += rng.uniform(4, 8)
+        for row, token in ((1, b), (2, c)):  # above the row's best: p >= e^3 / (e^3 + 15) > 1/2, so it decides
+            logits[row, END if want == "short" else token] = logits[row].max() + rng.uniform(3, 6)
         cfg = GenerationConfig(block_size=8).resolved(4)
         res = fill_canvas(_RowsRunner(logits), [1], canvas, cfg, mask_token_id=MASK, end_token_id=END, mode=mode)
         p = [_softmax64(row) for row in logits]

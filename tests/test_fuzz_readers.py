@@ -2,12 +2,11 @@
 and its chat template, quantize_config.json): each mutation reads, or is refused with clover-lite's own
 error. A fresh seed each run (CLOVER_TEST_SEED repeats one); benchmarks/fuzz_readers.py runs them longer."""
 
-import os
-import random
 
 import pytest
 
 from tests.fuzz_targets import TARGETS
+from tests.seed import SEED
 
 CASES = {"config": 150, "tokenizer": 150, "tokenizer_config": 150, "chat_template": 150, "safetensors_header": 150,
          "quantize_config": 60}
@@ -15,7 +14,6 @@ CASES = {"config": 150, "tokenizer": 150, "tokenizer_config": 150, "chat_templat
 
 @pytest.mark.parametrize("name", list(TARGETS))
 def test_reader_fuzz(name, tmp_path):
-    seed = int(os.environ.get("CLOVER_TEST_SEED", random.randrange(1 << 30)))
-    counts = TARGETS[name].run(tmp_path, seed, CASES[name])
+    counts = TARGETS[name].run(tmp_path, SEED, CASES[name])
     assert sum(counts.values()) == CASES[name]
-    assert counts["refused"] > 0, f"seed {seed}: no mutation of {name} was refused"
+    assert counts["refused"] > 0, f"seed {SEED}: no mutation of {name} was refused"

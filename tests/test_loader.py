@@ -15,6 +15,8 @@ from clover_lite.checkpoint.tiny import write_tiny_checkpoint
 from clover_lite.errors import CheckpointError, ConfigError
 from clover_lite.models import load_config
 
+from .seed import SEED
+
 
 @pytest.fixture()
 def ckpt(tiny_dir, tmp_path):
@@ -189,8 +191,7 @@ def test_mutated_headers_fail_with_our_error(ckpt):
     data = f.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     header, body = data[8 : 8 + n], data[8 + n :]
-    seed = int(os.environ.get("CLOVER_TEST_SEED", random.randrange(1 << 30)))
-    rng = random.Random(seed)
+    rng = random.Random(SEED)
     errors = 0
     for _ in range(300):
         h = bytearray(header)
@@ -209,8 +210,8 @@ def test_mutated_headers_fail_with_our_error(ckpt):
         except CheckpointError:
             errors += 1
         except Exception as e:  # noqa: BLE001
-            raise AssertionError(f"seed {seed}: {type(e).__name__}: {e} for header {bytes(h)[:200]!r}") from e
-    assert errors > 0, f"seed {seed}: no mutation was refused"
+            raise AssertionError(f"seed {SEED}: {type(e).__name__}: {e} for header {bytes(h)[:200]!r}") from e
+    assert errors > 0, f"seed {SEED}: no mutation was refused"
 
 
 def test_missing_weights_and_shards(ckpt, tmp_path):

@@ -21,6 +21,17 @@ def np_pack_rows(v: np.ndarray) -> np.ndarray:
     return out.view(np.int32)
 
 
+def write_twins(src, tmp_path, quant: dict, floats: dict, quantize_config: dict):
+    """`src` copied twice: with the GPTQ tensors `quant` (and quantize_config.json), and with `floats`, the same
+    weights dequantized; the two must load to the same model."""
+    qdir, fdir = tmp_path / "q", tmp_path / "f"
+    for d, tensors in ((qdir, quant), (fdir, floats)):
+        shutil.copytree(src, d)
+        save_file(tensors, d / "model.safetensors")
+    (qdir / "quantize_config.json").write_text(json.dumps(quantize_config))
+    return qdir, fdir
+
+
 def fake_gptq(w: torch.Tensor, group: int, fmt: str, sym: bool, act_order: bool, rng: np.random.Generator):
     """Quantize w [N, K] the simple way and pack it as a GPTQ tool would; returns (tensors, dequantized w)."""
     N, K = w.shape

@@ -18,6 +18,8 @@ from clover_lite.errors import CheckpointError, CloverError
 from clover_lite.quant.eval import evaluate
 from clover_lite.quant.pipeline import QuantizationError, QuantizeOptions, quantize_model
 
+from .seed import SEED
+
 FAST = dict(group_size=32, nsamples=8, seqlen=64)
 
 
@@ -78,11 +80,13 @@ def test_quantized_model_generates_with_bounded_kl(src, gptq_out, tmp_path):
     assert len(out.token_ids) == 8
     res = evaluate(q, ref, nsamples=24, seqlen=64)
     assert res.kl < 0.01 and res.top1_agreement > 0.5
+    # Random ids (off the calibration text) through the model itself: KL per position, not summed over them
+    # (40 seeds measured: at most 0.0034, mean 0.0018).
     with torch.no_grad():
-        ids = torch.randint(0, 256, (1, 20))
-        a, b = ref.model(ids, block_size=4), q.model(ids, block_size=4)
+        ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(SEED))
+        a, b = ref.model(ids, block_size=4)[0], q.model(ids, block_size=4)[0]
     kl = torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True, reduction="batchmean")
-    assert float(kl) < 0.05
+    assert float(kl) < 0.01, f"seed {SEED}"
 
 
 def test_gptq_beats_rtn_end_to_end(src, gptq_out, tmp_path):

@@ -2,15 +2,13 @@
 column, no lazy blocks), on fresh random weights with ragged widths: the quantizer's own parameter search is
 not reused on the reference side."""
 
-import os
-
 import pytest
 import torch
 
 from clover_lite.quant.gptq import gptq_quantize
 from clover_lite.quant.rtn import QuantSpec, quantize_rtn
 
-SEED = int(os.environ.get("CLOVER_TEST_SEED", torch.seed() % 2**31))
+from .seed import SEED
 
 
 def test_rtn_hand_worked_asymmetric_row():

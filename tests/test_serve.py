@@ -20,10 +20,10 @@ import clover_lite
 import clover_lite.runtime.engine
 from clover_lite.cli.main import main as cli
 
+from .seed import SEED
+
 ServerProcess = runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"),
                                run_name="serve_load")["ServerProcess"]
-SEED = random.randrange(1 << 30)
-print(f"test_serve seed {SEED}")
 
 
 @pytest.fixture(scope="module")

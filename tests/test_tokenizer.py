@@ -22,13 +22,11 @@ from clover_lite.tokenizer.byte_tokenizer import (
 )
 from clover_lite.tokenizer.tokenizer import Tokenizer
 
-# Fresh inputs every run; set CLOVER_TEST_SEED to replay a failure (the seed is printed on failure).
-SEED = int(os.environ.get("CLOVER_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+from .seed import SEED
 
 
 @pytest.fixture
 def rng() -> random.Random:
-    print(f"CLOVER_TEST_SEED={SEED}")
     return random.Random(SEED)
 
 
