@@ -168,6 +168,20 @@ def _interpreter_patches_once():
 
 
 @pytest.fixture(autouse=True)
+def _global_rng_from_seed(request):
+    """torch's and Python's global generators start each test from SEED and the test's id: a test drawing
+    from them gets fresh inputs each run, the same ones whichever xdist worker runs it after whichever tests
+    (before, it saw whatever state the tests before it left), and CLOVER_TEST_SEED repeats them."""
+    import random
+    import zlib
+
+    seed = (SEED + zlib.crc32(request.node.nodeid.encode())) % 2**31
+    torch.manual_seed(seed)
+    random.seed(seed)
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _kernels_memcheck():
     """In every test, every interpreted Triton kernel must stay inside the tensors it was given and its
     programs must not race (tests/triton_memcheck.py): both pass unseen in the interpreter and fail on a GPU.

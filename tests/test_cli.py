@@ -263,3 +263,34 @@ def test_a_text_that_no_longer_extends_what_was_shown_shows_nothing_more():
     assert s.feed("abc") == "abc"
     assert s.feed("xbcd") == ""  # not an extension of "abc": nothing appended to the garbled prefix
     assert s.finish("xbcd") == "\nxbcd"
+
+
+def test_import_is_light_and_the_public_names_load_when_used():
+    """`import clover_lite` imports no torch (the `clover` command's first instant stays interruptible); each
+    public name, looked up, is the object its module defines."""
+    code = ("import sys, clover_lite\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "from clover_lite.runtime import engine, generation\n"
+            "assert clover_lite.load is engine.load and clover_lite.GenerationConfig is generation.GenerationConfig\n"
+            "assert set(clover_lite.__all__) <= set(dir(clover_lite))\n"
+            "try:\n    clover_lite.nonexistent\nexcept AttributeError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "has no attribute 'nonexistent'" in out.stdout
+
+
+def test_ctrl_c_while_the_command_imports_is_aborted_not_a_traceback():
+    """SIGINT right after the entry point starts (torch still importing: seconds here) ends as click's own
+    interrupt does, "Aborted!" and exit 1; before, a KeyboardInterrupt traceback from inside torch."""
+    import signal
+    import time
+
+    code = ("import sys\nsys.argv = ['clover', 'info', '--help']\n"
+            "from clover_lite.cli.launch import main\nprint('ready', flush=True)\nmain()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "ready\n"
+    time.sleep(0.3)  # into main()'s import (not between the print and main); torch takes seconds here
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert "Traceback" not in err, err
+    assert (p.returncode, err.strip()) == (1, "Aborted!") or (p.returncode == 0 and "Usage" in out), (out, err)

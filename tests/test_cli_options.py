@@ -17,6 +17,8 @@ from clover_lite.checkpoint.tiny import write_tiny_checkpoint
 from clover_lite.cli.main import main
 from clover_lite.errors import CheckpointError
 
+from .seed import SEED
+
 FAST = ("--nsamples", "4", "--seqlen", "32")
 BENCH_FAST = ("--prompt-tokens", "32", "--new-tokens", "12", "--steps", "3")
 
@@ -169,6 +171,54 @@ def test_eval_names_its_text_as_evaluation_text(tmp_path):
         read_calibration_file(tmp_path / "empty.txt", what="evaluation text (--text)")
     with pytest.raises(CloverError, match="cannot read the calibration file"):
         read_calibration_file(tmp_path)  # a directory
+
+
+def test_calibration_text_that_is_binary_is_refused_and_a_few_stray_bytes_are_not(tmp_path):
+    """A model shard, random bytes or a NUL in JSONL given as text: one error naming the file, the first bad
+    offset and what to give. A Latin-1 file (a few bytes that are not UTF-8) reads, each as U+FFFD."""
+    from clover_lite.errors import CloverError
+    from clover_lite.quant.calibration import read_calibration_file
+
+    rng = torch.Generator().manual_seed(SEED)
+    shard = tmp_path / "model.safetensors"
+    save_file({"w": torch.randn(64, 64, generator=rng)}, str(shard))
+    noise = tmp_path / "noise.txt"
+    noise_bytes = torch.randint(0xF8, 0x100, (4000,), generator=rng).tolist()  # bytes UTF-8 never uses
+    noise.write_bytes(b"plain words first " + bytes(noise_bytes))
+    nul = tmp_path / "docs.jsonl"
+    nul.write_bytes(b'{"text": "one"}\n{"text": "t\x00wo"}\n')
+    # The shard starts with its header's length, a little-endian u64 under 256: byte 1 is NUL.
+    for path, offset in ((shard, 1), (noise, 18), (nul, 27)):
+        with pytest.raises(CloverError, match=f"not text \\(binary bytes from offset {offset}\\).*\\.jsonl"):
+            read_calibration_file(path)
+    words = " ".join(f"caf\u00e9 number {i}" for i in range(40))  # one byte in 16 not UTF-8
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(words.encode("latin-1"))
+    assert read_calibration_file(latin) == [words.replace("\u00e9", "\ufffd")]
+
+
+def test_quantize_refuses_binary_calibration_before_writing(src, tmp_path):
+    (tmp_path / "calib.txt").write_bytes(bytes(range(256)) * 8)
+    r = invoke("quantize", src, tmp_path / "out", *FAST, "--calib", tmp_path / "calib.txt")
+    assert_refused(r, 1, "calib.txt", "not text")
+    assert_nothing_written(tmp_path)
+
+
+def test_quantize_without_tokenizer_files_says_the_output_takes_token_ids(src, tmp_path):
+    """NF4 needs no calibration text, so a source without tokenizer files quantizes; the run ends with a note
+    saying what to copy, and the output generates from token ids. With the files there is no note."""
+    bare = tmp_path / "bare"
+    shutil.copytree(src, bare)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).unlink()
+    r = invoke("quantize", bare, tmp_path / "out", "--method", "nf4")
+    assert r.exit_code == 0, r.output
+    notes = [line for line in r.output.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "no tokenizer files" in notes[0] and "copy tokenizer.json" in notes[0], r.output
+    out = clover_lite.load(tmp_path / "out").generate([5, 6, 7], max_new_tokens=4)
+    assert len(out.token_ids) == 4
+    r = invoke("quantize", src, tmp_path / "with", "--method", "nf4")
+    assert r.exit_code == 0 and "note:" not in r.output, r.output
 
 
 # ---- clover bench -------------------------------------------------------------------------------------------

@@ -59,6 +59,9 @@ def main(ctx: click.Context) -> None:
     # for this command only (catch_warnings restores the handler when the command ends).
     ctx.with_resource(warnings.catch_warnings())
     warnings.showwarning = _warning_as_note
+    # A library's deprecation (e.g. bitsandbytes importing torch.jit.script_method, 14 lines when Python's
+    # warnings are on) says nothing the user of the command can act on.
+    warnings.simplefilter("ignore", DeprecationWarning)
 
 
 def _warning_as_note(message, category, filename, lineno, file=None, line=None) -> None:

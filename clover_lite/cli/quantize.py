@@ -157,6 +157,10 @@ def quantize(src, out, method, group_size, asym, no_act_order, no_static_groups,
     table.add_row("experts on RTN fallback", ", ".join(fb[:10]) + (f" and {len(fb) - 10} more" if len(fb) > 10 else "")
                   if fb else "none")
     Console().print(table)
+    if not any((report.out / f).exists() for f in ("tokenizer.json", "tokenizer.model")):  # rtn / nf4 need none
+        click.echo(f"note: {src} has no tokenizer files, so {report.out} has none either: it takes token ids "
+                   "only; copy tokenizer.json (or tokenizer.model) and tokenizer_config.json from the model it was "
+                   "made from into it to give it text", err=True)
 
 
 @click.command("eval")

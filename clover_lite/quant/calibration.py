@@ -63,6 +63,28 @@ def heldout_texts(limit_bytes: int = 1_000_000) -> list[str]:
     return _read_until(_split()[1], limit_bytes)
 
 
+# A text file with bytes that are not UTF-8 (Latin-1 accents: a few in a hundred) reads, each as U+FFFD; more
+# than this share of them (random or compressed bytes: about half), or any NUL byte, is a binary file (a model
+# shard, an archive) given by mistake, which would otherwise calibrate on noise without a word.
+_MAX_INVALID_SHARE = 0.2
+
+
+def _text(p: Path, data: bytes, what: str) -> str:
+    nul = data.find(b"\0")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        text = data.decode("utf-8", errors="replace")
+        invalid = text.count("\ufffd") - data.count("\ufffd".encode())
+        if nul < 0 and invalid <= _MAX_INVALID_SHARE * len(data):
+            return text
+        nul = e.start if nul < 0 else min(nul, e.start)
+    if nul >= 0:
+        raise CloverError(f"{p}: the {what} is not text (binary bytes from offset {nul}): give a UTF-8 text file "
+                          "(one document) or a .jsonl file (one document per line)")
+    return text
+
+
 def read_calibration_file(path: str | os.PathLike, what: str = "calibration file (--calib)") -> list[str]:
     """Plain text (one document) or JSONL (one document per line: "text", or "messages" joined). `what` names
     the file in errors (`clover eval` reads its held-out text through here too)."""
@@ -70,9 +92,10 @@ def read_calibration_file(path: str | os.PathLike, what: str = "calibration file
     if not p.exists():
         raise CloverError(f"{p}: {what} not found")
     try:
-        raw = p.read_text(encoding="utf-8", errors="replace")
+        data = p.read_bytes()
     except OSError as e:  # a directory, no permission
         raise CloverError(f"{p}: cannot read the {what}: {e.strerror or e}") from e
+    raw = _text(p, data, what)
     if p.suffix.lower() not in (".jsonl", ".ndjson"):
         if not raw.strip():
             raise CloverError(f"{p}: {what} is empty")
