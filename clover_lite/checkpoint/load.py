@@ -298,11 +298,14 @@ def nonfinite_error(info: TensorInfo, stored: torch.Tensor, cast: torch.Tensor,
             f"re-export the checkpoint{skip_hint}"
         )
     biggest = float(stored.abs().max()) if stored.numel() else 0.0
+    # float16 overflows where bfloat16 and float32 do not; past float32's range (from an F64 file) no dtype
+    # the model computes in holds the values.
+    fix = ("load with a wider dtype (bfloat16 or float32)" if cast.dtype == torch.float16 else
+           f"no dtype the model computes in holds them: re-export the checkpoint with values within {cast.dtype}'s "
+           "range")
     return CheckpointError(
         f"{head} has values up to {biggest:.4g}, beyond the range of {cast.dtype} (first at index "
-        f"{first_bad(cast)}): "
-        "load with a wider dtype (bfloat16 or float32), or pass load(..., check_finite=False) / "
-        "--no-check-finite to load it anyway"
+        f"{first_bad(cast)}): {fix}{skip_hint}"
     )
 
 

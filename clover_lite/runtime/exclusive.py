@@ -21,7 +21,7 @@ class EngineBusyError(GenerationError):
 class Turn:
     """One generation's hold on the engine."""
 
-    def __init__(self, owner: int) -> None:
+    def __init__(self, owner: threading.Thread) -> None:
         self.owner = owner
         self.taken_over = False
         self.paused_since: float | None = None  # None while it computes: only a paused stream can be idle
@@ -35,12 +35,14 @@ class OneAtATime:
 
     def acquire(self, wait: float | None = None) -> Turn:
         """Wait (at most `wait` seconds; None: as long as it takes) for the engine and take it."""
-        me = threading.get_ident()
+        # The thread object, not its id: Python gives a finished thread's id to the next one, which would
+        # then be told it is already generating when it meets a paused stream the finished thread left.
+        me = threading.current_thread()
         deadline = None if wait is None else time.monotonic() + wait
         with self._cond:
             while self._turn is not None:
                 turn = self._turn
-                if turn.owner == me:
+                if turn.owner is me:
                     raise GenerationError("this engine is already generating in this thread; finish or close the "
                                           "running stream first")
                 idle = 0.0 if turn.paused_since is None else time.monotonic() - turn.paused_since
