@@ -294,3 +294,14 @@ def test_ctrl_c_while_the_command_imports_is_aborted_not_a_traceback():
     out, err = p.communicate(timeout=120)
     assert "Traceback" not in err, err
     assert (p.returncode, err.strip()) == (1, "Aborted!") or (p.returncode == 0 and "Usage" in out), (out, err)
+
+
+def test_python_dash_m_is_the_clover_command():
+    """`python -m clover_lite` runs the same command group as the console script (its version, its commands)."""
+    from importlib.metadata import version
+
+    out = subprocess.run([sys.executable, "-m", "clover_lite", "--version"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith(f"version {version('clover-lite')}"), out
+    out = subprocess.run([sys.executable, "-m", "clover_lite", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and all(f" {c} " in out.stdout for c in ("run", "chat", "quantize", "serve")), out
