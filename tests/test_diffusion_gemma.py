@@ -193,7 +193,7 @@ def test_nonfinite_weights_are_refused_at_load(tmp_path):
     (file,) = sorted(path.glob("*.safetensors"))
     tensors = load_file(file)
     rng = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    # Every token reads these (an expert's weights may go unrouted, an embedding row unread): the NaN must show.
+    # Not an expert's weights (one may go unrouted) nor an embedding (a row may go unread).
     names = sorted(n for n, t in tensors.items() if t.is_floating_point() and not any(
         k in n for k in ("embed", "experts", "per_expert_scale")))
     name = names[int(torch.randint(0, len(names), (), generator=rng))]
@@ -203,6 +203,14 @@ def test_nonfinite_weights_are_refused_at_load(tmp_path):
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=f"tensor '{name}' in .*holds 1 NaN"):
         clover_lite.load(path, device="cpu")
+    # Unscanned, a NaN must reach the logits for generation to stop: not so for every tensor above (the
+    # encoder's last layer_scalar feeds nothing the decoder reads; torch's CPU attention without a mask turns
+    # NaN queries into finite outputs), so this part puts it in the decoder's final norm, which every logit reads.
+    tensors = load_file(file)
+    norm = tensors["model.decoder.norm.weight"].clone()
+    norm[int(torch.randint(0, norm.numel(), (), generator=rng))] = float("nan")
+    tensors["model.decoder.norm.weight"] = norm
+    save_file(tensors, file, metadata={"format": "pt"})
     engine = clover_lite.load(path, device="cpu", check_finite=False)
     assert any("scan of the weights was skipped" in n for n in engine.load_report.notes)
     with pytest.raises(NonFiniteError, match="check its weights"):

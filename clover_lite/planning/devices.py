@@ -118,7 +118,7 @@ def resolve_target(device: str | torch.device | None) -> Target | None:
             raise CloverError(f"unknown GPU '{device}'; known: {', '.join(KNOWN_GPUS)} (or cpu, cuda, cuda:N)")
         g = KNOWN_GPUS[key]
         return Target(g.name, g.usable, True)
-    dev = torch.device(device)
+    dev = torch.device(device.lower() if isinstance(device, str) else device)  # "CPU", "CUDA:0" as above
     if dev.type == "cpu":
         return Target("cpu (available RAM)", available_ram(), False)
     if dev.type == "cuda":
