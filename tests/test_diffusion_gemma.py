@@ -26,6 +26,8 @@ from clover_lite.runtime.diffusion_gemma_loop import (
     stream,
 )
 
+from .seed import SEED
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.diffusion_gemma")
 
@@ -476,13 +478,18 @@ def test_bfloat16_load_tracks_float32(tmp_path):
     f32, _ = load_diffusion_gemma(path)
     b16, _ = load_diffusion_gemma(path, dtype=torch.bfloat16)
     assert b16.decoder.embed_tokens.weight.dtype == torch.bfloat16
-    ids, canvas = torch.tensor([[258, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]]), torch.randint(0, 265, (1, 8))
+    ids = torch.tensor([[258, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]])
+    canvas = torch.randint(0, 265, (1, 8), generator=torch.Generator().manual_seed(SEED))
     outs = []
     for m in (f32, b16):
         cache = m.new_cache()
         m.encode(ids, cache)
         outs.append(m.denoise(canvas, cache))
-    assert outs[1].dtype == torch.float32 and (outs[0] - outs[1]).abs().max() < 0.25
+    # KL per position, not the largest logit difference: over 300 random canvases that reached 0.84 (logits
+    # up to 2.2) while the KL stayed at most 0.04.
+    lp, lq = outs[0].log_softmax(-1), outs[1].log_softmax(-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    assert outs[1].dtype == torch.float32 and float(kl.max()) < 0.1, (SEED, kl)
 
 
 def test_benchmark_runs_and_tokens_identical(tmp_path):

