@@ -565,11 +565,13 @@ def test_chat_turns_reuse_the_prefix_and_equal_fresh_generations(tmp_path):
     out, err = io.StringIO(), io.StringIO()
     assert CanvasChatLoop(session, read, PlainView(out, err)).run() == 0
     assert "max_denoising_steps = 5" in out.getvalue() and "t_min" in err.getvalue()
-    replies = [m["content"] for m in session.messages if m["role"] == "assistant"]
-    assert len(replies) == 2
-    for turn, settings in ((1, {}), (2, {"max_denoising_steps": 5})):
-        conversation = session.messages[: 2 * turn - 1]
+    msgs = session.messages
+    users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+    assert [msgs[i]["content"] for i in users] == ["hello there", "and again?"], msgs
+    for i, settings in zip(users, ({}, {"max_denoising_steps": 5}), strict=True):
         fresh = clover_lite.load(path, device="cpu")
-        want = fresh.generate(conversation, seed=seed, max_new_tokens=16, **settings).text
-        assert replies[turn - 1] == want, turn
+        want = fresh.generate(msgs[: i + 1], seed=seed, max_new_tokens=16, **settings).text
+        # An empty reply (the model's first token its end) is not recorded: the next message is the user's.
+        got = msgs[i + 1]["content"] if i + 1 < len(msgs) and msgs[i + 1]["role"] == "assistant" else ""
+        assert got == want, (i, out.getvalue(), err.getvalue())
 
