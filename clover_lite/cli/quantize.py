@@ -101,7 +101,8 @@ def quantize(src, out, method, group_size, asym, no_act_order, no_static_groups,
 
     from clover_lite.models.diffusion_gemma_config import is_diffusion_gemma_dir
     from clover_lite.quant.diffusion_gemma import quantize_diffusion_gemma
-    from clover_lite.quant.pipeline import QuantizeOptions, quantize_model
+    from clover_lite.quant.pipeline import QuantizeOptions, partial_dir, quantize_model
+    from clover_lite.tokenizer.tokenizer import has_tokenizer_files
 
     _check_method_options(click.get_current_context(), method)
     options = QuantizeOptions(
@@ -131,7 +132,7 @@ def quantize(src, out, method, group_size, asym, no_act_order, no_static_groups,
             run = quantize_diffusion_gemma if is_diffusion_gemma_dir(Path(src)) else quantize_model
             report = run(src, out, options, force=force, resume=resume, restart=restart, on_layer=on_layer)
     except KeyboardInterrupt:
-        partial = Path(out).parent / f".{Path(out).name}.partial"
+        partial = partial_dir(Path(out))
         if partial.is_dir():
             click.echo(f"\ninterrupted ({out} was not written): the run so far is in {partial} "
                        f"({finished[0]} layer(s) finished here); rerun the same command with --resume to continue, "
@@ -157,7 +158,7 @@ def quantize(src, out, method, group_size, asym, no_act_order, no_static_groups,
     table.add_row("experts on RTN fallback", ", ".join(fb[:10]) + (f" and {len(fb) - 10} more" if len(fb) > 10 else "")
                   if fb else "none")
     Console().print(table)
-    if not any((report.out / f).exists() for f in ("tokenizer.json", "tokenizer.model")):  # rtn / nf4 need none
+    if not has_tokenizer_files(report.out):  # NF4 needs none to calibrate
         click.echo(f"note: {src} has no tokenizer files, so {report.out} has none either: it takes token ids "
                    "only; copy tokenizer.json (or tokenizer.model) and tokenizer_config.json from the model it was "
                    "made from into it to give it text", err=True)

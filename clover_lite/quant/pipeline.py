@@ -62,7 +62,7 @@ from clover_lite.quant.gptq import HessianAccumulator, gptq_quantize, weighted_e
 from clover_lite.quant.nf4 import quantize_nf4
 from clover_lite.quant.options import QuantizationError, QuantizeOptions
 from clover_lite.quant.rtn import QuantizedWeight, quantize_rtn
-from clover_lite.tokenizer.tokenizer import Tokenizer
+from clover_lite.tokenizer.tokenizer import Tokenizer, has_tokenizer_files
 
 COPIED_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "chat_template.jinja",
                 "special_tokens_map.json", "generation_config.json", "added_tokens.json", "vocab.json", "merges.txt")
@@ -298,7 +298,7 @@ def _check_finite(t: torch.Tensor, what: str) -> None:
 def calibration_stream(src: Path, eos_token_ids, options: QuantizeOptions) -> tuple[Tokenizer, torch.Tensor]:
     """The model's tokenizer and the calibration text as one token stream (documents joined by the first EOS
     id of the config, else of the tokenizer)."""
-    if not any((src / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+    if not has_tokenizer_files(src):
         raise QuantizationError(f"{src}: no tokenizer files; calibration needs the model's tokenizer")
     tokenizer = Tokenizer.from_dir(src)
     texts = read_calibration_file(options.calib) if options.calib else stdlib_texts(seed=options.seed)
@@ -363,12 +363,17 @@ def quantize_model(
                                 "clover_lite.quant.diffusion_gemma.quantize_diffusion_gemma (what `clover quantize` "
                                 "runs for it)")
     options, needed, run = (prepare or _prepare)(src, options)
-    partial = out.parent / f".{out.name}.partial"
+    partial = partial_dir(out)
     # A resumed run's finished layers (and its activations, rewritten in place) are already on the disk.
     held = sum(f.stat().st_size for f in partial.iterdir() if f.is_file()) if resume and partial.is_dir() else 0
     check_output(out, sources=[src], force=force, needed_bytes=max(0, needed - held))
     with exclusive_writer(out, "clover quantize"):
         return _run_in_partial(src, out, options, partial, run, t0, resume, restart, on_layer)
+
+
+def partial_dir(out: Path) -> Path:
+    """Where a quantization writes until it is published at OUT (and where --resume finds it)."""
+    return out.parent / f".{out.name}.partial"
 
 
 def _run_in_partial(src: Path, out: Path, options: QuantizeOptions, partial: Path, run: Run, t0: float,

@@ -21,10 +21,10 @@ from clover_lite.runtime.device import on_device, resolve_device, resolve_dtype
 from clover_lite.runtime.exclusive import OneAtATime
 from clover_lite.runtime.generation import CachedRunner, DoneEvent, Event, Generation, GenerationConfig, denoise
 from clover_lite.runtime.graph import MAX_STATIC_CONTEXT, StaticStep, use_static_step
-from clover_lite.runtime.prompt import Prompt, prompt_ids
+from clover_lite.runtime.prompt import Prompt, no_tokenizer_error, prompt_ids
 from clover_lite.runtime.template import Canvas, SlotSpec, build_canvas, filled_text
 from clover_lite.tokenizer.incremental import IncrementalDecoder
-from clover_lite.tokenizer.tokenizer import Tokenizer
+from clover_lite.tokenizer.tokenizer import Tokenizer, has_tokenizer_files
 
 if TYPE_CHECKING:
     from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaEngine
@@ -161,9 +161,7 @@ class Engine:
 
     def _tokenizer_or_error(self) -> Tokenizer:
         if self.tokenizer is None:
-            raise GenerationError(f"{self.path}: the model has no tokenizer files (tokenizer.json or "
-                                  "tokenizer.model); copy them from the model it was made from, or pass token ids "
-                                  "instead of text")
+            raise no_tokenizer_error(self.path)
         return self.tokenizer
 
     # ---- generation -------------------------------------------------------------------------------
@@ -384,7 +382,7 @@ def load(
         if warning:
             report.notes.append(f"memory: {warning} (planned at {p.context_len} positions)")
     tokenizer = None
-    if any((model_path / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+    if has_tokenizer_files(model_path):
         tokenizer = Tokenizer.from_dir(model_path)
     return Engine(model, tokenizer, model_path, mask_token_id, report, context=context, static_step=static_step,
                   static_context=fits)

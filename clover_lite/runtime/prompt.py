@@ -11,6 +11,12 @@ from clover_lite.tokenizer.tokenizer import Tokenizer
 Prompt = str | Sequence[int] | Sequence[dict]
 
 
+def no_tokenizer_error(path: str | Path) -> GenerationError:
+    """Text given to a model without tokenizer files."""
+    return GenerationError(f"{path}: the model has no tokenizer files (tokenizer.json or tokenizer.model); copy "
+                           "them from the model it was made from, or pass token ids instead of text")
+
+
 def prompt_ids(prompt: Prompt, tokenizer: Tokenizer | None, vocab_size: int, *, raw: bool = False,
                add_generation_prompt: bool = True, path: Path | None = None) -> list[int]:
     """Token ids for a prompt: a string (a user message through the chat template when the model has one;
@@ -20,9 +26,7 @@ def prompt_ids(prompt: Prompt, tokenizer: Tokenizer | None, vocab_size: int, *, 
 
     def tok() -> Tokenizer:
         if tokenizer is None:
-            raise GenerationError(f"{path}: the model has no tokenizer files (tokenizer.json or "
-                                  "tokenizer.model); copy them from the model it was made from, or pass token ids "
-                                  "instead of text")
+            raise no_tokenizer_error(path)
         return tokenizer
 
     if isinstance(prompt, str):

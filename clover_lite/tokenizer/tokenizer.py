@@ -31,6 +31,11 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
+
+def has_tokenizer_files(model_dir: str | os.PathLike) -> bool:
+    """Whether `model_dir` holds a tokenizer either backend reads (without them a model takes token ids only)."""
+    return any((Path(model_dir) / f).exists() for f in (TOKENIZER_JSON, SENTENCEPIECE_MODEL))
+
 # Names under which checkpoints commonly ship the diffusion mask token, in order of preference.
 MASK_TOKEN_CANDIDATES = ("<|mask|>", "<|MASK|>", "[MASK]", "<mask>", "<|mask_token|>")
 
