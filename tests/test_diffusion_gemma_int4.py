@@ -28,10 +28,11 @@ from clover_lite.planning.memory import QuantScheme
 from clover_lite.planning.planner import model_bytes
 from clover_lite.quant.diffusion_gemma import quantize_diffusion_gemma
 from clover_lite.quant.pipeline import QuantizationError, QuantizeOptions, quantize_model
+from tests.seed import SEED as RUN_SEED
 from tests.test_quant_loader import fake_gptq, write_twins
 
 FAST = dict(group_size=32, nsamples=16, seqlen=64)
-SEED = int(torch.randint(0, 10_000, ()))
+SEED = RUN_SEED % 10_000  # this run's seed (tests/seed.py): CLOVER_TEST_SEED repeats it
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +111,9 @@ def test_int4_model_tracks_fp32_and_generates(src, gptq_out):
         sc = 4 * torch.randn(1, C, V, generator=gen)
         for cond in (None, sc):
             divergences.append(kl(f.denoise(canvas, cf, cond), q.denoise(canvas, cq, cond)))
-    # Over 145 random models (seeds) the mean reached 0.089 and the largest 0.114 (one suite run, its order of
-    # tests unexplained, gave 0.097 / 0.115 for a model whose run alone gives 0.023); a broken INT4 path is ~1.
+    # Over 145 random models (seeds) the mean reached 0.089 and the largest 0.114; one suite run gave 0.097 /
+    # 0.115 (its model seed then came from the global generator at import, so not from CLOVER_TEST_SEED); a
+    # broken INT4 path is ~1.
     assert max(divergences) < 0.3 and sum(divergences) / len(divergences) < 0.15, (SEED, divergences)
     engine = clover_lite.load(gptq_out[0], device="cpu")
     a = engine.generate("hello", seed=SEED, max_new_tokens=16)
