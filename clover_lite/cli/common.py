@@ -34,8 +34,8 @@ def load_with_progress(path, diffusion_gemma: bool = False, **kwargs):
 
     if isinstance(engine, DiffusionGemmaEngine) and not diffusion_gemma:
         name = ctx.info_name if ctx is not None else "this command"
-        fail(CloverError(f"{path}: a DiffusionGemma checkpoint; `clover run` and the Python API run it, "
-                         f"`clover {name}` does not yet"))
+        fail(CloverError(f"{path}: a DiffusionGemma checkpoint; `clover run`, `chat`, `serve` and the Python API "
+                         f"run it, `clover {name}` does not yet"))
     for note in engine.load_report.notes if engine.load_report else []:
         click.echo(f"note: {note}", err=True)
     return engine

@@ -175,7 +175,8 @@ def quantize(src, out, method, group_size, asym, no_act_order, no_static_groups,
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True, callback=device_option)
 def eval_cmd(model, reference, text, nsamples, seqlen, seed, device) -> None:
-    """Masked-token NLL of MODEL (and KL against --against) on held-out text, block-diffusion style."""
+    """Masked-token NLL of MODEL (and KL against --against) on held-out text, block-diffusion style. For
+    DiffusionGemma: the NLL of the true tokens at renoised canvas positions after the window's committed text."""
     from rich.console import Console
     from rich.table import Table
 
@@ -186,21 +187,36 @@ def eval_cmd(model, reference, text, nsamples, seqlen, seed, device) -> None:
     try:
         from clover_lite.models.diffusion_gemma_config import is_diffusion_gemma_dir
 
-        for path in (model, reference):
-            if path and is_diffusion_gemma_dir(Path(path)):
-                raise CloverError(f"{path}: a DiffusionGemma checkpoint; clover eval measures block denoisers' "
-                                  "masked-token NLL and does not read it (clover run and clover_lite.load do)")
-            if path and (Path(path) / "config.json").is_file():  # else load says what is wrong with it
-                check_window(load_config(path), seqlen)  # before loading: a window past the context is refused
+        dg = [bool(path) and is_diffusion_gemma_dir(Path(path)) for path in (model, reference)]
+        if reference and dg[0] != dg[1]:
+            raise CloverError(f"one of {model} and --against {reference} is a DiffusionGemma checkpoint and the other "
+                              "is not; compare a model with the checkpoint it was quantized from")
         t = time.perf_counter()
-        # No decoding here: no CUDA-graph step, nor the cache sized to the free memory it would keep.
-        engine = load(model, device=device, static_step=False)
-        ref = load(reference, device=device, static_step=False) if reference else None
-        result = evaluate(engine, ref, text, nsamples=nsamples, seqlen=seqlen, seed=seed)
+        if dg[0]:  # renoised canvases instead of masked blocks (quant/eval_diffusion_gemma.py)
+            from clover_lite.models.diffusion_gemma_config import load_diffusion_gemma_config
+            from clover_lite.quant.eval_diffusion_gemma import check_window as check_canvas_window
+            from clover_lite.quant.eval_diffusion_gemma import evaluate_diffusion_gemma
+
+            for path in (model, reference):
+                if path:  # before loading: a window that does not fit is refused
+                    cfg = load_diffusion_gemma_config(Path(path))
+                    check_canvas_window(cfg.canvas_length, cfg.max_position_embeddings, seqlen)
+            engine = load(model, device=device)
+            ref = load(reference, device=device) if reference else None
+            result = evaluate_diffusion_gemma(engine, ref, text, nsamples=nsamples, seqlen=seqlen, seed=seed)
+        else:
+            for path in (model, reference):
+                if path and (Path(path) / "config.json").is_file():  # else load says what is wrong with it
+                    check_window(load_config(path), seqlen)  # before loading: a window past the context is refused
+            # No decoding here: no CUDA-graph step, nor the cache sized to the free memory it would keep.
+            engine = load(model, device=device, static_step=False)
+            ref = load(reference, device=device, static_step=False) if reference else None
+            result = evaluate(engine, ref, text, nsamples=nsamples, seqlen=seqlen, seed=seed)
     except CloverError as e:
         fail(e)
     table = Table(title=f"{model}" + (f" vs {reference}" if reference else ""))
-    for col in ("masked-token NLL", "reference NLL", "KL(ref || model)", "top-1 agreement", "positions"):
+    nll = "renoised-token NLL" if dg[0] else "masked-token NLL"
+    for col in (nll, "reference NLL", "KL(ref || model)", "top-1 agreement", "positions"):
         table.add_column(col)
     fmt = lambda v, spec: "-" if v is None else format(v, spec)
     table.add_row(fmt(result.nll, ".4f"), fmt(result.ref_nll, ".4f"), fmt(result.kl, ".5f"),

@@ -62,8 +62,9 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(model, model_path, host, port, api_key, model_name, max_queue, max_body_mb, drain, log_prompts,
           device, dtype, context) -> None:
     """Serve a model over the OpenAI HTTP API: /v1/chat/completions, /v1/completions (streaming or not),
-    /v1/models, /health, and joint decisions at /v1/clover/decide. One generation runs at a time; the
-    others wait in a bounded queue. Needs the serve extra: pip install "clover-lite[serve]"."""
+    /v1/models, /health, and joint decisions at /v1/clover/decide (block denoisers; DiffusionGemma serves
+    text). One generation runs at a time; the others wait in a bounded queue. Needs the serve extra:
+    pip install "clover-lite[serve]"."""
     try:
         import uvicorn
 
@@ -76,7 +77,7 @@ def serve(model, model_path, host, port, api_key, model_name, max_queue, max_bod
                                "CLOVER_API_KEY) so strangers cannot use the model, or keep the default 127.0.0.1")
     path = model_argument(model, model_path)
     try:
-        engine = load_with_progress(path, device=device, dtype=dtype, context=context)
+        engine = load_with_progress(path, diffusion_gemma=True, device=device, dtype=dtype, context=context)
         sock = bind(host, port)
     except CloverError as e:
         fail(e)

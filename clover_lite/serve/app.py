@@ -23,13 +23,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from clover_lite.errors import GenerationError, NonFiniteError, TokenizerError
+from clover_lite.errors import GenerationError, NonFiniteError
 from clover_lite.runtime.decide import question_list
+from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaEngine
 from clover_lite.runtime.engine import Engine
-from clover_lite.runtime.generation import DoneEvent, GenerationConfig, StepEvent
 from clover_lite.runtime.text_stream import TextStreamer
+from clover_lite.serve.block_text import BlockText
+from clover_lite.serve.diffusion_gemma_text import DiffusionGemmaText
 from clover_lite.serve.requests import ApiError, TextRequest, bad, chat_request, completion_request, decide_request
-from clover_lite.serve.responses import ChunkWriter, full_response, new_id
+from clover_lite.serve.responses import ChunkWriter, Reply, full_response, new_id
 from clover_lite.serve.scheduler import DONE, ERROR, ITEM, Job, QueueFull, Scheduler, ShuttingDown
 
 log = logging.getLogger("clover_lite.serve")
@@ -91,10 +93,13 @@ async def read_json(request: Request, limit: int):
 class Server:
     """The endpoints over one engine."""
 
-    def __init__(self, engine: Engine, settings: ServeSettings):
+    def __init__(self, engine: Engine | DiffusionGemmaEngine, settings: ServeSettings):
         self.engine = engine
         self.settings = settings
         self.scheduler = Scheduler(settings.max_queue)
+        # The model's text requests: chosen once, here (a block denoiser or DiffusionGemma).
+        text = DiffusionGemmaText if isinstance(engine, DiffusionGemmaEngine) else BlockText
+        self.texts = text(engine, self.scheduler)
 
     # ---- plumbing -----------------------------------------------------------------------------------
     def authorised(self, request: Request) -> None:
@@ -135,57 +140,15 @@ class Server:
             raise
 
     # ---- text generation ----------------------------------------------------------------------------
-    async def prepare(self, req: TextRequest) -> tuple[list[int], GenerationConfig]:
-        engine = self.engine
-        try:
-            ids = await run_in_threadpool(engine.encode_prompt, req.prompt, raw=req.kind == "completion")
-        except (GenerationError, TokenizerError) as e:  # e.g. a chat template that refuses these messages
-            raise bad(str(e), param="messages" if req.kind == "chat" else "prompt") from None
-        limit, P = engine.context_limit, len(ids)
-        room = limit - P
-        max_tokens = req.max_tokens if req.max_tokens is not None else min(engine.default_config.max_new_tokens, room)
-        if room < 1 or max_tokens > room:
-            asked = max(max_tokens, 1)
-            raise ApiError(400, f"this request needs {P} prompt + {asked} completion tokens = {P + asked} positions, "
-                                f"over the model's context of {limit}; shorten the prompt or lower max_tokens",
-                           param="max_tokens", code="context_length_exceeded",
-                           extra={"limits": {"context": limit, "prompt_tokens": P, "max_tokens": asked}})
-        try:
-            cfg = engine.resolve_config(max_new_tokens=max_tokens, **req.overrides)
-        except GenerationError as e:
-            raise bad(str(e), param="clover") from None
-        return ids, cfg
-
-    def generation_work(self, ids: list[int], cfg: GenerationConfig, stream: bool):
-        def work(job: Job):
-            events = self.engine.stream(ids, cfg)
-            committed = 0
-            try:
-                for ev in events:
-                    if isinstance(ev, DoneEvent):
-                        return ev.generation
-                    if isinstance(ev, StepEvent):
-                        committed += len(ev.committed)
-                        if stream:
-                            job.emit(ITEM, ev.text)
-                    if job.cancelled:  # the client left: stop before the next step, freeing the engine
-                        self.scheduler.record_cancel({"committed_tokens": committed,
-                                                      "max_tokens": cfg.max_new_tokens})
-                        log.info("%s cancelled (client gone or server stopping) after %d of %d positions",
-                                 job.label, committed, cfg.max_new_tokens)
-                        return None
-            finally:
-                events.close()
-            return None
-        return work
-
     async def text(self, request: Request, kind: str) -> Response:
         t0 = time.monotonic()
         self.authorised(request)
         body = await read_json(request, self.settings.max_body_bytes)
-        req = chat_request(body) if kind == "chat" else completion_request(body, self.engine.config.vocab_size)
-        ids, cfg = await self.prepare(req)
-        job = self.submit(self.generation_work(ids, cfg, req.stream), kind)
+        texts = self.texts
+        req = chat_request(body, texts.extension) if kind == "chat" else \
+            completion_request(body, texts.vocab_size, texts.extension)
+        prepared = await texts.prepare(req)
+        job = self.submit(texts.work(prepared, req.stream), kind)
         rid, model = new_id(kind), self.settings.model_id
         try:
             first = await self.next_item(job, request)
@@ -194,16 +157,16 @@ class Server:
         if first[0] == ERROR:
             raise from_engine_error(first[1])
         if not req.stream:
-            gen = first[1]
-            self.log_done(kind, 200, gen, job, t0, req.prompt)
-            return JSONResponse(full_response(kind, rid, model, gen, job.queue_seconds))
-        return StreamingResponse(self.sse(kind, rid, model, req, cfg, job, first, request, t0),
+            reply = first[1]
+            self.log_done(kind, 200, reply, job, t0, req.prompt)
+            return JSONResponse(full_response(kind, rid, model, reply, job.queue_seconds))
+        return StreamingResponse(self.sse(kind, rid, model, req, prepared.stop, job, first, t0),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def sse(self, kind: str, rid: str, model: str, req: TextRequest, cfg: GenerationConfig, job: Job,
-                  first: tuple, request: Request, t0: float) -> AsyncIterator[str]:
+    async def sse(self, kind: str, rid: str, model: str, req: TextRequest, stop: tuple[str, ...], job: Job,
+                  first: tuple, t0: float) -> AsyncIterator[str]:
         out = ChunkWriter(kind, rid, model)
-        streamer = TextStreamer(cfg.stop)
+        streamer = TextStreamer(stop)
         finished = False
         try:
             if kind == "chat":
@@ -239,6 +202,8 @@ class Server:
         t0 = time.monotonic()
         self.authorised(request)
         req = decide_request(await read_json(request, self.settings.max_body_bytes))
+        if self.texts.decide_refusal:
+            raise bad(self.texts.decide_refusal, code="unsupported_model")
         try:
             pairs = question_list(req.questions)
             self.engine.canvas_config(**req.overrides)
@@ -265,10 +230,8 @@ class Server:
 
     # ---- models and health --------------------------------------------------------------------------
     def model_card(self) -> dict:
-        c = self.engine.config
         return {"id": self.settings.model_id, "object": "model", "created": 0, "owned_by": "clover-lite",
-                "clover": {"model_type": c.model_type, "context": self.engine.context_limit,
-                           "block_size": c.block_size, "vocab_size": c.vocab_size}}
+                "clover": self.texts.card()}
 
     async def models(self, request: Request) -> Response:
         self.authorised(request)
@@ -285,16 +248,15 @@ class Server:
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": self.settings.model_id, **self.scheduler.status()})
 
-    def log_done(self, kind: str, status: int, gen, job: Job, t0: float, prompt) -> None:
-        s = gen.stats
+    def log_done(self, kind: str, status: int, reply: Reply, job: Job, t0: float, prompt) -> None:
         log.info("%s %d prompt=%d completion=%d forwards=%d finish=%s queue=%.2fs total=%.2fs", kind, status,
-                 s.prompt_tokens, s.new_tokens, s.forwards, gen.finish_reason, job.queue_seconds,
-                 time.monotonic() - t0)
+                 reply.prompt_tokens, reply.completion_tokens, reply.statistics["forwards"], reply.finish_reason,
+                 job.queue_seconds, time.monotonic() - t0)
         if self.settings.log_prompts:
-            log.info("%s prompt=%r reply=%r", kind, prompt, gen.text)
+            log.info("%s prompt=%r reply=%r", kind, prompt, reply.text)
 
 
-def create_app(engine: Engine, settings: ServeSettings) -> Starlette:
+def create_app(engine: Engine | DiffusionGemmaEngine, settings: ServeSettings) -> Starlette:
     """The ASGI app serving `engine`; its lifespan stops the worker thread on shutdown."""
     server = Server(engine, settings)
 

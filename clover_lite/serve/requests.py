@@ -120,8 +120,9 @@ def _typed(body: dict, name: str, check: Callable[[Any], bool], what: str) -> An
     return value
 
 
-def _common(body: dict) -> tuple[dict, int | None, bool, bool]:
-    """The sampling fields every text endpoint shares -> (overrides, max_tokens, stream, include_usage)."""
+def _common(body: dict, fields: dict) -> tuple[dict, int | None, bool, bool]:
+    """The sampling fields every text endpoint shares -> (overrides, max_tokens, stream, include_usage);
+    `fields`: the model's `clover` settings."""
     overrides: dict[str, Any] = {}
     max_tokens = _typed(body, "max_tokens", _is_int, "an integer")
     if "max_completion_tokens" in body:
@@ -164,12 +165,13 @@ def _common(body: dict) -> tuple[dict, int | None, bool, bool]:
         if extra:
             raise bad(f"unknown field 'stream_options.{extra[0]}'; it takes include_usage", param="stream_options")
         include_usage = _typed(options, "include_usage", lambda v: isinstance(v, bool), "true or false") or False
-    overrides.update(extension(body))
+    overrides.update(extension(body, fields))
     return overrides, max_tokens, stream, include_usage
 
 
-def extension(body: dict) -> dict:
-    """The `clover` object: our own decoding settings, each type-checked (values are checked by the engine)."""
+def extension(body: dict, fields: dict = EXTENSION) -> dict:
+    """The `clover` object: our own decoding settings (`fields`: name -> (types, how to write it); a block
+    denoiser's are EXTENSION), each type-checked (values are checked by the engine)."""
     ext = body.get("clover")
     if ext is None:
         return {}
@@ -177,10 +179,10 @@ def extension(body: dict) -> dict:
         raise bad(f"'clover' must be an object of decoding settings, got {ext!r}", param="clover")
     out = {}
     for name, value in ext.items():
-        if name not in EXTENSION:
-            raise bad(f"unknown field 'clover.{name}'; it takes {sorted(EXTENSION)}", param=f"clover.{name}",
+        if name not in fields:
+            raise bad(f"unknown field 'clover.{name}'; it takes {sorted(fields)}", param=f"clover.{name}",
                       code="unknown_field")
-        types, what = EXTENSION[name]
+        types, what = fields[name]
         ok = isinstance(value, types) and not (isinstance(value, bool) and types is not bool)
         if name == "stop_token_ids" and ok:
             ok = all(_is_int(t) for t in value)
@@ -210,7 +212,7 @@ def _message_text(content: Any, where: str) -> str:
               code="invalid_type")
 
 
-def chat_request(body: Any) -> TextRequest:
+def chat_request(body: Any, fields: dict = EXTENSION) -> TextRequest:
     body = _check_fields(body, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                                 "stop", "seed", "n", "stream", "stream_options", "clover"})
     messages = body.get("messages")
@@ -231,11 +233,11 @@ def chat_request(body: Any) -> TextRequest:
         # "developer" is OpenAI's newer name for the system message; the chat templates know "system".
         out.append({"role": "system" if role == "developer" else role, "content": _message_text(m.get("content"),
                                                                                                   where)})
-    overrides, max_tokens, stream, usage = _common(body)
+    overrides, max_tokens, stream, usage = _common(body, fields)
     return TextRequest("chat", out, overrides, max_tokens, stream, usage)
 
 
-def completion_request(body: Any, vocab_size: int) -> TextRequest:
+def completion_request(body: Any, vocab_size: int, fields: dict = EXTENSION) -> TextRequest:
     body = _check_fields(body, {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "n",
                                 "stream", "stream_options", "clover"})
     prompt = body.get("prompt")
@@ -249,7 +251,7 @@ def completion_request(body: Any, vocab_size: int) -> TextRequest:
     elif not isinstance(prompt, str) or not prompt:
         raise bad("'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
                   param="prompt")
-    overrides, max_tokens, stream, usage = _common(body)
+    overrides, max_tokens, stream, usage = _common(body, fields)
     # Completions model a continuation of raw text: the default max_tokens is OpenAI's 16 there.
     return TextRequest("completion", prompt, overrides, max_tokens if max_tokens is not None else 16, stream, usage)
 
@@ -268,3 +270,25 @@ def decide_request(body: Any) -> DecideRequest:
         raise bad(f"'mode' must be 'joint' or 'sequential', got {mode!r}", param="mode")
     overrides = extension(body)
     return DecideRequest(context, questions, mode, overrides)
+
+
+@dataclass
+class Prepared:
+    """A text request ready for the worker: its prompt ids, its stop strings (the stream holds back what may
+    start one), the model's run settings, and its max_tokens."""
+
+    ids: list[int]
+    stop: tuple[str, ...]
+    settings: Any
+    max_tokens: int
+
+
+def context_exceeded(prompt_tokens: int, asked: int, limit: int, needed: int | None = None,
+                     why: str = "") -> ApiError:
+    """400 context_length_exceeded: the prompt and `asked` completion tokens (taking `needed` positions, when
+    the model rounds them up) do not fit the model's context of `limit`."""
+    needed = prompt_tokens + asked if needed is None else needed
+    return ApiError(400, f"this request needs {prompt_tokens} prompt + {asked} completion tokens{why} = {needed} "
+                         f"positions, over the model's context of {limit}; shorten the prompt or lower max_tokens",
+                    param="max_tokens", code="context_length_exceeded",
+                    extra={"limits": {"context": limit, "prompt_tokens": prompt_tokens, "max_tokens": asked}})

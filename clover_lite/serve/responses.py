@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 
 from clover_lite.runtime.generation import Generation
 
@@ -24,27 +25,45 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def statistics(gen: Generation, queue_seconds: float) -> dict:
-    """The decoding statistics a response carries beside `usage`."""
+@dataclass
+class Reply:
+    """A text endpoint's answer, whichever model made it: the text, OpenAI's counts, and the model's own
+    decoding statistics (sent under `clover`, with the queue time added)."""
+
+    text: str
+    finish_reason: str  # ours: "eos" | "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    statistics: dict
+
+
+def reply_of(gen: Generation) -> Reply:
+    """A block denoiser's Generation as a Reply."""
     s = gen.stats
-    return {"forwards": s.forwards, "commit_forwards": s.commit_forwards, "blocks": s.blocks,
-            "tokens_per_forward": round(s.tokens_per_forward, 4), "committed_tokens": s.committed_tokens,
-            "prefill_seconds": round(s.prefill_seconds, 4), "seconds": round(s.seconds, 4),
-            "tokens_per_second": round(s.tokens_per_second, 2), "queue_seconds": round(queue_seconds, 4),
-            "finish_reason": gen.finish_reason}
+    stats = {"forwards": s.forwards, "commit_forwards": s.commit_forwards, "blocks": s.blocks,
+             "tokens_per_forward": round(s.tokens_per_forward, 4), "committed_tokens": s.committed_tokens,
+             "prefill_seconds": round(s.prefill_seconds, 4), "seconds": round(s.seconds, 4),
+             "tokens_per_second": round(s.tokens_per_second, 2)}
+    return Reply(gen.text, gen.finish_reason, s.prompt_tokens, s.new_tokens, stats)
 
 
-def full_response(kind: str, rid: str, model: str, gen: Generation, queue_seconds: float) -> dict:
-    finish = FINISH[gen.finish_reason]
+def statistics(reply: Reply, queue_seconds: float) -> dict:
+    """The decoding statistics a response carries beside `usage`."""
+    return {**reply.statistics, "queue_seconds": round(queue_seconds, 4), "finish_reason": reply.finish_reason}
+
+
+def full_response(kind: str, rid: str, model: str, reply: Reply, queue_seconds: float) -> dict:
+    finish = FINISH[reply.finish_reason]
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": gen.text}, "finish_reason": finish,
+        choice = {"index": 0, "message": {"role": "assistant", "content": reply.text}, "finish_reason": finish,
                   "logprobs": None}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": gen.text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": reply.text, "finish_reason": finish, "logprobs": None}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": usage(gen.stats.prompt_tokens, gen.stats.new_tokens), "clover": statistics(gen, queue_seconds)}
+            "usage": usage(reply.prompt_tokens, reply.completion_tokens),
+            "clover": statistics(reply, queue_seconds)}
 
 
 class ChunkWriter:
@@ -71,12 +90,12 @@ class ChunkWriter:
     def _object(self) -> str:
         return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
 
-    def finish(self, gen: Generation, queue_seconds: float, include_usage: bool) -> str:
+    def finish(self, reply: Reply, queue_seconds: float, include_usage: bool) -> str:
         # Our statistics ride on the chunk that carries the finish reason (clients keep unknown fields).
-        out = self.chunk(finish=FINISH[gen.finish_reason], extra={"clover": statistics(gen, queue_seconds)})
+        out = self.chunk(finish=FINISH[reply.finish_reason], extra={"clover": statistics(reply, queue_seconds)})
         if include_usage:  # OpenAI's usage chunk: no choices, sent only when asked for
             out += self._event({"id": self.rid, "object": self._object, "created": self.created, "model": self.model,
-                                "choices": [], "usage": usage(gen.stats.prompt_tokens, gen.stats.new_tokens)})
+                                "choices": [], "usage": usage(reply.prompt_tokens, reply.completion_tokens)})
         return out + "data: [DONE]\n\n"
 
     def error(self, body: dict) -> str:
