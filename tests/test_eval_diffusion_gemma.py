@@ -112,6 +112,10 @@ def test_errors_name_the_problem(pair, tmp_path):
     other = write_tiny_diffusion_gemma(tmp_path / "wide", seed=1, hidden_size=48)
     with pytest.raises(CloverError, match="different models .*hidden_size"):
         evaluate_diffusion_gemma(engine, clover_lite.load(other, device="cpu"), nsamples=1, seqlen=20)
+    other = clover_lite.load(pair[1], device="cpu")
+    other.tokenizer.encode = lambda text, **kw: [t + 1 for t in engine.tokenizer.encode(text, **kw)]
+    with pytest.raises(CloverError, match="tokenize text differently"):
+        evaluate_diffusion_gemma(engine, other, nsamples=1, seqlen=20)
     for args, words in ((["eval", str(pair[0]), "--seqlen", "97"], "takes 9 to 96"),
                         (["eval", str(pair[0]), "--against", str(clover_lite.__path__[0]) + "/data/clover-tiny"],
                          "is a DiffusionGemma checkpoint and the other is not")):

@@ -16,6 +16,7 @@ from clover_lite.errors import CloverError
 from clover_lite.models.config import ModelConfig
 from clover_lite.quant.calibration import heldout_texts, read_calibration_file, token_stream
 from clover_lite.runtime.engine import Engine, on_device
+from clover_lite.tokenizer.tokenizer import Tokenizer
 
 
 @dataclass
@@ -86,8 +87,13 @@ def _check_comparable(engine: Engine, reference: Engine) -> None:
             f"the model and --against differ in vocabulary ({ours.vocab_size} vs {theirs.vocab_size} tokens, mask "
             f"id {engine.mask_token_id} vs {reference.mask_token_id}); compare a model with the checkpoint it was "
             "quantized from")
+    check_same_tokenizer(engine.tokenizer, reference.tokenizer)
+
+
+def check_same_tokenizer(ours: Tokenizer | None, theirs: Tokenizer | None) -> None:
+    """The model and its reference tokenize a probe text alike (else their windows are different texts)."""
     probe = "The quick brown fox: 1, 22, 333; def f(x): return x"
-    if engine.tokenizer and reference.tokenizer and engine.tokenizer.encode(probe) != reference.tokenizer.encode(probe):
+    if ours and theirs and ours.encode(probe) != theirs.encode(probe):
         raise CloverError("the model and --against tokenize text differently; compare a model with the checkpoint "
                           "it was quantized from")
 

@@ -16,7 +16,7 @@ import torch
 
 from clover_lite.errors import CloverError
 from clover_lite.quant.calibration import heldout_texts, read_calibration_file, token_stream
-from clover_lite.quant.eval import EvalResult
+from clover_lite.quant.eval import EvalResult, check_same_tokenizer
 from clover_lite.runtime.device import on_device
 from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaEngine
 
@@ -82,10 +82,7 @@ def _check_comparable(engine: DiffusionGemmaEngine, reference: DiffusionGemmaEng
     if differ:
         raise CloverError(f"the model and --against are different models ({', '.join(differ)}); compare a model "
                           "with the checkpoint it was quantized from")
-    probe = "The quick brown fox: 1, 22, 333; def f(x): return x"
-    if engine.tokenizer and reference.tokenizer and engine.tokenizer.encode(probe) != reference.tokenizer.encode(probe):
-        raise CloverError("the model and --against tokenize text differently; compare a model with the checkpoint "
-                          "it was quantized from")
+    check_same_tokenizer(engine.tokenizer, reference.tokenizer)
 
 
 @torch.no_grad()
