@@ -424,6 +424,12 @@ def test_engine_text_stream_and_session(tmp_path):
     assert reply.tokens == loop.tokens and reply.text == engine.decode(loop.tokens)
     steps = [e for e in events if isinstance(e, TextEvent) and isinstance(e.event, StepEvent)]
     assert steps and all(e.draft == engine.decode(e.event.draft) for e in steps)
+    done: list[int] = []
+    for e in events[:-1]:  # the committed text: every canvas finished so far, decoded whole
+        if isinstance(e.event, CanvasEvent):
+            done += e.event.tokens
+        assert e.committed == engine.decode(done)
+    assert reply.text == events[-2].committed
     follow = [*ids, *reply.result.tokens, *engine.encode_prompt("again", raw=True)]
     second = engine.generate(follow, seed=4, max_new_tokens=16)
     assert second.result.encoded_tokens < len(follow)  # only the uncached tail was encoded

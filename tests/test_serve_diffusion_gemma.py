@@ -136,6 +136,7 @@ BAD = [
     ({"clover": {"max_denoising_steps": 0}}, "max_denoising_steps=0 must be a positive integer", "clover"),
     ({"clover": {"entropy_bound": "x"}}, "'clover.entropy_bound' must be a number", "clover.entropy_bound"),
     ({"max_tokens": 4090}, "(in canvases of 8)", "max_tokens"),
+    ({"seed": 10**25}, "seed must fit in 64 bits", "seed"),
 ]
 
 

@@ -17,9 +17,12 @@ import click
 import torch
 
 from clover_lite.checkpoint.random_weights import ProgressFn, init_random_
+from clover_lite.cli import bench_diffusion_gemma as dgbench
+from clover_lite.cli.bench_table import latency_summary, report_table
 from clover_lite.cli.quantize import device_option, group_size_option
 from clover_lite.errors import CloverError
 from clover_lite.models.config import ModelConfig
+from clover_lite.models.diffusion_gemma_config import is_diffusion_gemma_dir, load_diffusion_gemma_config
 from clover_lite.planning.devices import fmt_bytes
 from clover_lite.planning.memory import parse_quant
 from clover_lite.planning.named_configs import NAMED_CONFIGS, named_config
@@ -52,12 +55,6 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
         return int(torch.cuda.max_memory_allocated(device)), "peak CUDA memory allocated"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss * (1 if sys.platform == "darwin" else 1024)), "peak RSS of the process, Python and torch included"
-
-
-def _summary(seconds: list[float]) -> dict:
-    s = sorted(seconds)
-    return {"median_ms": 1e3 * statistics.median(s), "min_ms": 1e3 * s[0],
-            "p90_ms": 1e3 * s[min(len(s) - 1, int(0.9 * len(s)))], "n": len(s)}
 
 
 def _prompt_len(prompt_tokens: int, block_size: int) -> int:
@@ -160,8 +157,8 @@ def _run_bench(engine, block_size, prompt_tokens, new_tokens, steps, threshold, 
         "step_kind": "cuda graph" if static is not None and static.graph is not None
         else "static, eager" if static is not None else "eager",
         "prefill": {"tokens": P, "seconds": prefill_s, "tokens_per_second": P / prefill_s if prefill_s else 0.0},
-        "step": _summary(step_s),
-        "commit": _summary(commit_s),
+        "step": latency_summary(step_s),
+        "commit": latency_summary(commit_s),
         "generation": {"prompt_tokens": P, "new_tokens": s.new_tokens, "seconds": s.seconds - s.prefill_seconds,
                        "tokens_per_second": s.tokens_per_second, "tokens_per_forward": s.tokens_per_forward,
                        "forwards": s.forwards, "commit_forwards": s.commit_forwards, "policy": policy,
@@ -172,26 +169,13 @@ def _run_bench(engine, block_size, prompt_tokens, new_tokens, steps, threshold, 
 
 # ---- output ------------------------------------------------------------------------------------
 def _table(report: dict):
-    from rich.table import Table
-
-    r = report
-    g = r["generation"]
-    table = Table(title=f"clover bench: {r['model']}", show_header=False)
-    table.add_row("setup", f"{r['quant']}, {r['dtype']}, block {r['block_size']}, {r['kernels']} kernels, "
-                           f"{r['step_kind']} step, on {r['device_name']}")
-    table.add_row("generation", f"{g['tokens_per_second']:.1f} tok/s, {g['tokens_per_forward']:.2f} tokens/forward "
-                                f"({g['new_tokens']} tokens, {g['forwards']} forwards, {g['policy']} "
-                                f"{g['threshold']})")
-    for key, label in (("step", "step latency"), ("commit", "commit latency")):
-        s = r[key]
-        table.add_row(label, f"{s['median_ms']:.2f} ms median (min {s['min_ms']:.2f}, p90 {s['p90_ms']:.2f}, "
-                             f"n {s['n']})")
-    p = r["prefill"]
-    table.add_row("prefill", f"{p['tokens_per_second']:.0f} tok/s ({p['tokens']} tokens in {p['seconds']:.3f} s)")
-    table.add_row("peak memory", f"{fmt_bytes(r['peak_memory_bytes'])} ({r['peak_memory_kind']}); planned "
-                                 f"{fmt_bytes(r['plan']['total_bytes'])}")
-    proj = ", ".join(f"{x['tokens_per_forward']}: {x['tokens_per_second']:.0f}" for x in r["projection"])
-    table.add_row("tok/s at k tokens/forward", proj + "  (from the median step and commit latencies)")
+    r, g = report, report["generation"]
+    table = report_table(
+        r, f"{r['quant']}, {r['dtype']}, block {r['block_size']}, {r['kernels']} kernels, {r['step_kind']} step, on "
+           f"{r['device_name']}",
+        f"{g['tokens_per_second']:.1f} tok/s, {g['tokens_per_forward']:.2f} tokens/forward ({g['new_tokens']} tokens, "
+        f"{g['forwards']} forwards, {g['policy']} {g['threshold']})",
+        ("step latency", "commit latency"), ("tokens/forward", "tokens_per_forward"))
     if r.get("random_weights"):
         table.add_row("note", "random weights: text is noise and a threshold policy commits ~1 token per forward; "
                               "the projection shows the speed at the tokens/forward a trained model reaches")
@@ -324,6 +308,14 @@ def bench(model, model_path, config_name, random_weights, quant, group_size, dev
         why = ("a checkpoint's format is its own" if model_path is not None
                else f"--quant {quant} has no groups" if quant else "the default format (fp32 or bf16) has no groups")
         raise click.UsageError(f"--group-size applies to --config NAME --random-weights --quant int4; {why}")
+    diffusion_gemma = model_path is not None and is_diffusion_gemma_dir(Path(model_path))
+    if diffusion_gemma:
+        given = [k for k in ("block_size", "threshold", "policy") if click.get_current_context().get_parameter_source(k)
+                 == click.core.ParameterSource.COMMANDLINE]
+        if given or plot_path:
+            wrong = f"--{given[0].replace('_', '-')}" if given else "--plot"
+            raise click.UsageError(f"{wrong} does not apply to DiffusionGemma (it denoises whole canvases with its own "
+                                   "sampler; the JSON has its steps-per-canvas projection)")
     try:
         for target in (json_path, plot_path):  # before the run, not after it
             if target:
@@ -357,6 +349,22 @@ def bench(model, model_path, config_name, random_weights, quant, group_size, dev
                     # As load() makes it: on CUDA with INT4 experts the step is captured as a CUDA graph.
                     engine = Engine(model, None, mask_token_id=cfg.mask_token_id, context=context)
                 name, label = config_name, scheme.label()
+            elif diffusion_gemma:  # canvases, not blocks: cli/bench_diffusion_gemma.py
+                dg_cfg = load_diffusion_gemma_config(model_path)
+                context = dgbench.bench_context(prompt_tokens, new_tokens, steps, dg_cfg.canvas_length)
+                if context > dg_cfg.max_position_embeddings:
+                    raise CloverError(f"this benchmark holds {context} positions (the prompt, then --steps or "
+                                      f"--new-tokens in canvases of {dg_cfg.canvas_length}), over the model's context "
+                                      f"of {dg_cfg.max_position_embeddings}; use fewer --prompt-tokens, --new-tokens "
+                                      "or --steps")
+                p = plan(model_path, None, context, dev, dtype=resolve_dtype(dtype, dev))
+                _check_plan(p, dev, random_weights=False)
+                engine = load_with_progress(model_path, diffusion_gemma=True, device=dev, dtype=dtype,
+                                            check_memory=False)
+                model = engine.model
+                name, label = Path(model_path).name, p.scheme.label()
+                report = dgbench.run_diffusion_gemma_bench(engine, prompt_tokens, new_tokens, steps, seed, progress)
+                weights = model.decoder.embed_tokens.weight
             else:
                 cfg = load_config(model_path)
                 B = block_size or cfg.block_size or 4
@@ -370,17 +378,19 @@ def bench(model, model_path, config_name, random_weights, quant, group_size, dev
                 name, label = Path(model_path).name, p.scheme.label()
                 if engine.mask_token_id is None:
                     raise CloverError(f"{model_path}: the model has no mask token; it cannot be benchmarked")
-            report = run_bench(engine, B, prompt_tokens, new_tokens, steps, threshold, policy, seed, progress)
+            if not diffusion_gemma:
+                report = run_bench(engine, B, prompt_tokens, new_tokens, steps, threshold, policy, seed, progress)
+                weights = model.embed_tokens.weight
     except CloverError as e:
         fail(e)
     peak, kind = peak_memory(dev)
     report.update({
         "model": name, "random_weights": config_name is not None, "quant": label,
-        "dtype": str(model.embed_tokens.weight.dtype).replace("torch.", ""), "device": str(dev),
+        "dtype": str(weights.dtype).replace("torch.", ""), "device": str(dev),
         "device_name": _device_name(dev), "torch": torch.__version__, "peak_memory_bytes": peak,
         "peak_memory_kind": kind, "plan": p.to_dict(), "kernels": getattr(model, "backend", "torch"),
     })
-    Console().print(_table(report))
+    Console().print(dgbench.table(report) if diffusion_gemma else _table(report))
     if json_path:
         try:
             write_text_atomic(json_path, json.dumps(report, indent=2, default=str))

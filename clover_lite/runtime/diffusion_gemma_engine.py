@@ -110,7 +110,9 @@ class DiffusionGemmaEngine:
         turn = self._turns.acquire(wait)
         try:
             events = stream(self.model, ids, settings, self.session, gen, images)
-            committed: list[int] = []
+            # The committed text changes once per canvas: decoded then (its new ids), not at every step.
+            detok = self.tokenizer.incremental_decoder(skip_special_tokens=True) if self.tokenizer else None
+            committed = ""
             try:
                 while True:
                     self._turns.advancing(turn)
@@ -119,10 +121,10 @@ class DiffusionGemmaEngine:
                         return
                     self._turns.paused(turn)
                     if isinstance(event, StepEvent):
-                        yield TextEvent(self.decode(committed), self.decode(event.draft), event)
+                        yield TextEvent(committed, self.decode(event.draft), event)
                     elif isinstance(event, CanvasEvent):
-                        committed += event.tokens
-                        yield TextEvent(self.decode(committed), "", event)
+                        committed = detok.push(event.tokens) if detok else ""
+                        yield TextEvent(committed, "", event)
                     elif isinstance(event, DoneEvent):
                         r = event.result
                         yield DiffusionGemmaReply(self.decode(r.tokens), r.tokens, r.finish_reason, r)

@@ -2,7 +2,9 @@
 
 Requests are checked (serve/requests.py) and their prompts tokenised before they queue, so a bad one is
 refused at once with a 4xx; the engine work runs in the scheduler's one worker thread (serve/scheduler.py).
-Prompts and replies are never logged unless `log_prompts` is set.
+What a text request means for the engine (its settings, the worker's loop) is one class per kind of engine,
+picked at start: serve/block_text.py or serve/diffusion_gemma_text.py. Prompts and replies are never logged
+unless `log_prompts` is set.
 """
 
 from __future__ import annotations

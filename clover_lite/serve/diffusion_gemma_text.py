@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from clover_lite.errors import GenerationError, TokenizerError
 from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaEngine, DiffusionGemmaReply
 from clover_lite.runtime.diffusion_gemma_loop import CanvasEvent, StepEvent
+from clover_lite.runtime.generation import check_seed
 from clover_lite.serve.requests import Prepared, TextRequest, bad, context_exceeded
 from clover_lite.serve.responses import Reply
 from clover_lite.serve.scheduler import ITEM, Job, Scheduler
@@ -67,6 +68,10 @@ class DiffusionGemmaText:
                           f"clover.t_max to clover.t_min over the denoising steps; remove '{name}' (or set those)",
                           param=name, code="unsupported_field")
         seed, stop = overrides.pop("seed", None), overrides.pop("stop", ())
+        try:
+            check_seed(seed)
+        except GenerationError as e:
+            raise bad(str(e), param="seed") from None
         try:
             settings = replace(self.engine.settings, **overrides).checked()
         except GenerationError as e:
