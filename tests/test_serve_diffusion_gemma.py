@@ -94,12 +94,18 @@ def test_stop_strings_cut_the_reply_at_their_start(app_client, engine):
     """A stop string the unstopped reply contains (drawn from it) ends the reply where it starts; the usage
     counts the tokens that cover what is left; streamed text equals it and never shows the stop string."""
     rng = random.Random(SEED + 1)
-    for _ in range(3):
+    checked = 0
+    for _ in range(20):
+        if checked == 3:
+            break
         prompt, seed = words(rng), rng.randrange(1 << 30)
         full, _, _, _ = reference(engine, prompt, 40, seed, raw=True, stability_threshold=None)
-        if len(full) < 4:
+        # A stop string drawn from the reply, without U+FFFD (a random model's bytes are often not UTF-8, and a
+        # canvas ending inside a character shows one there until the next canvas completes it).
+        starts = [i for i in range(1, len(full) - 2) if "\ufffd" not in full[i:i + 2]]
+        if not starts:
             continue
-        at = rng.randrange(1, len(full) - 2)
+        at = rng.choice(starts)
         stop = full[at:at + rng.randint(1, 2)]
         want = full[: full.find(stop)]
         ids = engine.encode_prompt(prompt, raw=True)
@@ -116,6 +122,8 @@ def test_stop_strings_cut_the_reply_at_their_start(app_client, engine):
             events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
         pieces = [e["choices"][0]["text"] for e in events]
         assert "".join(pieces) == want and not any(stop in p for p in pieces)
+        checked += 1
+    assert checked, SEED  # replies too short to hold a stop string every time: look at the model's EOS odds
 
 
 def test_sampler_settings_ride_in_the_clover_object(app_client, engine):
