@@ -254,3 +254,24 @@ def test_bench_memory_advice_matches_its_options(monkeypatch):
     assert "--quant int4" in bench._smaller(plan("tiny", "fp32", 48, "cpu"), random_weights=True)
     assert "clover quantize" in bench._smaller(plan("tiny", "fp32", 48, "cpu"), random_weights=False)
     assert "int4" not in bench._smaller(plan("tiny", "int4", 48, "cpu"), random_weights=False).lower()
+
+
+# ---- --seed, on every command that takes one -----------------------------------------------------------------
+@pytest.mark.parametrize("command", ["quantize", "eval", "bench", "tiny", "run"])
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_a_seed_past_64_bits_is_a_usage_error(src, tmp_path, command, seed):
+    """Every --seed takes what torch.Generator.manual_seed takes; beyond it one usage line names the option
+    and its range, before any work (tiny and quantize write nothing)."""
+    args = {"quantize": (src, tmp_path / "out"), "eval": (src,), "bench": (src,), "tiny": (tmp_path / "out",),
+            "run": ("--model", src, "hi")}[command]
+    assert_refused(invoke(command, *args, "--seed", seed), 2, "'--seed'", "-9223372036854775808<=x<=")
+    assert_nothing_written(tmp_path)
+
+
+def test_eval_says_which_model_directory_is_missing(src, tmp_path):
+    from clover_lite.checkpoint.tiny_diffusion_gemma import write_tiny_diffusion_gemma
+
+    dg = write_tiny_diffusion_gemma(tmp_path / "dg", seed=1)
+    for args in ((dg, "--against", tmp_path / "none"), (tmp_path / "none", "--against", dg),
+                 (src, "--against", tmp_path / "none")):
+        assert_refused(invoke("eval", *args), 1, f"{tmp_path / 'none'}: no such model directory")

@@ -81,7 +81,7 @@ def test_token_stream_separates_with_any_id_including_zero_and_stops_reading_at_
 def test_calibration_needs_more_than_one_window_of_tokens():
     """A stream of exactly seqlen tokens is refused with the CloverError that says to give more text; one more
     token is enough."""
-    with pytest.raises(CloverError, match="fewer than one window of 8"):
+    with pytest.raises(CloverError, match="a window of 8 needs at least 9"):
         calibration_ids(list(range(8)), nsamples=2, seqlen=8, seed=0, mode="clean")
     assert calibration_ids(list(range(9)), nsamples=2, seqlen=8, seed=0, mode="clean").tolist() == [
         list(range(8))] * 2

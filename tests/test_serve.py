@@ -173,6 +173,15 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "clover": {"threshold": 7.0}}, 400,
      "threshold must be in"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "over the model's context"),
+    ("/v1/completions", b'{"prompt": "sort: \\ud800 1"}', 400, "'prompt' holds a lone UTF-16 surrogate (U+D800"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400,
+     "'messages[0].content' holds a lone UTF-16 surrogate"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": ["a\\udc80"]}', 400, "'stop' holds a lone UTF-16 surrogate"),
+    ("/v1/clover/decide", b'{"context": "\\ud800", "questions": {"a": ["b", "c"]}}', 400,
+     "'context' holds a lone UTF-16 surrogate"),
+    ("/v1/completions", {"prompt": "hi", "model": 5}, 400, "'model' must be a string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 3000}]}, 400,
+     "fills the model's context of 2048 by itself"),
     ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "outside the vocabulary"),
     ("/v1/completions", {"prompt": ""}, 400, "'prompt' must be a non-empty"),
     ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nested too deeply"),
@@ -298,9 +307,31 @@ def test_a_stop_past_the_drain_time_cancels_the_running_generation():
             rest = resp.read().decode()
         except http.client.IncompleteRead as e:  # the cancelled stream's chunked body ends unfinished
             rest = e.partial.decode()
-        assert "[DONE]" not in rest  # cut, not finished: 1800 positions take far longer than the drain
+        # Cut, not finished (1800 positions take far longer than the drain): an error event ends the stream.
+        assert '"code": "shutting_down"' in rest and rest.endswith("data: [DONE]\n\n"), rest[-300:]
+        assert '"finish_reason": "length"' not in rest
         assert server.proc.wait(60) == 0
         cancelled = [line for line in server.log if "cancelled (client gone or server stopping)" in line]
         assert len(cancelled) == 1 and "of 1800 positions" in cancelled[0], "".join(server.log)
+        assert "Traceback" not in "".join(server.log)
+    finally:
+        server.stop()
+
+
+def test_a_whole_reply_still_running_past_the_drain_time_gets_a_503():
+    server = ServerProcess("--drain", "0.5")
+    try:
+        got = {}
+        body = {"prompt": "sort: 3 1 2", "max_tokens": 1800, "clover": {"ignore_eos": True}}
+        t = threading.Thread(target=lambda: got.update(r=server.request("POST", "/v1/completions", body)))
+        t.start()
+        deadline = time.monotonic() + 30
+        while json.loads(server.request("GET", "/health")[2])["busy"] is False and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server.proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        status, _, raw = got["r"]
+        assert status == 503 and json.loads(raw)["error"]["code"] == "shutting_down", raw
+        assert server.proc.wait(60) == 0 and "Traceback" not in "".join(server.log), "".join(server.log)
     finally:
         server.stop()

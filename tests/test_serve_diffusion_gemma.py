@@ -145,15 +145,36 @@ BAD = [
     ({"clover": {"entropy_bound": "x"}}, "'clover.entropy_bound' must be a number", "clover.entropy_bound"),
     ({"max_tokens": 4090}, "(in canvases of 8)", "max_tokens"),
     ({"seed": 10**25}, "seed must fit in 64 bits", "seed"),
+    ({"clover": {"max_denoising_steps": 2**31}}, "must be at most 2147483647", "clover"),
+    ({"clover": {"t_min": 0, "t_max": 1e-38}}, "t_max=1e-38 must be between 0.0001 and 1e+30", "clover"),
+    ({"clover": {"t_max": 1e39}}, "t_max=1e+39 must be between", "clover"),
+    ({"prompt": "look: <image_soft_token>"}, "image placeholder token(s)", "prompt"),
+    ({"prompt": [263]}, "image placeholder token(s) [263]", "prompt"),
 ]
 
 
 @pytest.mark.parametrize("extra,words_,param", BAD)
 def test_bad_requests_name_the_field(app_client, extra, words_, param):
+    """Refused before they queue: the server's counts show no job for them."""
+    before = app_client.get("/health").json()
     r = app_client.post("/v1/completions", json={"prompt": "abc", **extra})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert words_ in err["message"] and err["param"] == param, err
+    after = app_client.get("/health").json()
+    assert [after[k] - before[k] for k in ("served", "failed", "cancelled")] == [0, 0, 0]
+
+
+def test_an_unexpected_failure_is_one_json_500_and_the_server_goes_on(app_client, engine, monkeypatch):
+    def broken(*args, **kwargs):
+        raise TypeError("a bug here")
+
+    monkeypatch.setattr(engine, "encode_prompt", broken)
+    r = app_client.post("/v1/completions", json={"prompt": "abc"})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
+    assert "TypeError: a bug" in r.json()["error"]["message"]
+    monkeypatch.undo()
+    assert app_client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3}).status_code == 200
 
 
 def test_context_counts_whole_canvases_and_decisions_are_refused(app_client, engine):
@@ -167,8 +188,9 @@ def test_context_counts_whole_canvases_and_decisions_are_refused(app_client, eng
     r = app_client.post("/v1/completions", json={"prompt": "abc", "max_tokens": room,
                                                  "clover": {"max_denoising_steps": 1, "stability_threshold": None}})
     assert r.status_code == 200, r.text
-    r = app_client.post("/v1/clover/decide", json={"context": "x", "questions": {"a": ["b", "c"]}})
-    assert r.status_code == 400 and "/v1/chat/completions" in r.json()["error"]["message"]
+    for body in ({"context": "x", "questions": {"a": ["b", "c"]}}, {}):  # refused whatever the body holds
+        r = app_client.post("/v1/clover/decide", json=body)
+        assert r.status_code == 400 and "/v1/chat/completions" in r.json()["error"]["message"], r.text
 
 
 def byte_decode(ids: list[int]) -> str:
@@ -217,8 +239,10 @@ def test_a_chat_without_max_tokens_gets_the_whole_canvases_the_context_leaves(tm
             P = len(small.encode_prompt(messages))
             room = (64 - P) // 8 * 8
             r = c.post("/v1/chat/completions", json={"messages": messages, "clover": {"max_denoising_steps": 1}})
-            if room <= 0:
-                assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+            if room <= 0:  # the prompt is what is too long: no max_tokens was sent
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+                assert err["param"] == "messages" and "leaves no room for one canvas of 8" in err["message"]
                 continue
             assert r.status_code == 200, (P, r.text)
             assert r.json()["usage"]["completion_tokens"] <= min(room, small.settings.max_new_tokens)

@@ -19,6 +19,7 @@ import torch
 from clover_lite.checkpoint.random_weights import ProgressFn, init_random_
 from clover_lite.cli import bench_diffusion_gemma as dgbench
 from clover_lite.cli.bench_table import latency_summary, report_table
+from clover_lite.cli.common import SEED
 from clover_lite.cli.quantize import device_option, group_size_option
 from clover_lite.errors import CloverError
 from clover_lite.models.config import ModelConfig
@@ -271,7 +272,7 @@ def int4_group_size(cfg: ModelConfig, group_size: int | None) -> int:
               help="Timed denoising steps and commits.")
 @click.option("--threshold", type=float, default=0.9, show_default=True)
 @click.option("--policy", type=click.Choice(["threshold", "fixed"]), default="threshold", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(), default=None,
               help="Also write the results as JSON to this file.")
 @click.option("--plot", "plot_path", type=click.Path(), default=None,

@@ -118,6 +118,6 @@ def table(report: dict):
     return report_table(
         r, f"{r['quant']}, {r['dtype']}, canvas {r['canvas_length']}, {r['kernels']} kernels, on {r['device_name']}",
         f"{g['tokens_per_second']:.1f} tok/s, {g['steps_per_canvas']:.1f} steps per canvas, "
-        f"{g['tokens_per_forward']:.2f} tokens/forward ({g['new_tokens']} tokens, {g['canvases']} canvases, "
+        f"{g['tokens_per_forward']:.2f} tokens/forward ({g['new_tokens']} tokens: {g['canvases']} whole canvases, "
         f"{g['forwards']} decoder forwards)",
         ("decoder step", "canvas commit"), ("steps per canvas", "steps_per_canvas"))

@@ -41,6 +41,10 @@ def load_with_progress(path, diffusion_gemma: bool = False, **kwargs):
     return engine
 
 
+# What torch.Generator.manual_seed takes: a --seed outside it is a usage error naming the range, not a traceback.
+SEED = click.IntRange(-(2**63), 2**64 - 1)
+
+
 def fail(e: Exception) -> None:
     click.echo(f"error: {e}", err=True)
     sys.exit(1)
@@ -60,7 +64,7 @@ def decoding_options(f):
         click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 is greedy."),
         click.option("--top-k", type=int, default=0, show_default=True),
         click.option("--top-p", type=float, default=1.0, show_default=True),
-        click.option("--seed", type=int, default=None, help="Seed for sampling."),
+        click.option("--seed", type=SEED, default=None, help="Seed for sampling."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--commit", type=click.Choice(["exact", "reuse"]), default="exact", show_default=True,
                      help="How a finished block enters the cache: clean re-forward, or reuse its last step."),

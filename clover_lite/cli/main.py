@@ -11,6 +11,7 @@ import click
 import torch
 
 from clover_lite.cli.common import (
+    SEED,
     count_label,
     decoding_options,
     fail,
@@ -404,7 +405,7 @@ def _cards_table(plans, cards, context, block_size):
 @click.option("--family", type=click.Choice(["clover_moe", "sdar", "sdar_moe", "llada2", "diffusion_gemma"]),
               default="clover_moe",
               show_default=True, help="Which model family, in its own Hub layout, tokenizer and defaults.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--block-size", type=click.IntRange(min=1), default=None,
               help="Block size [default: 4; LLaDA2: 32].")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from clover_lite.cli.common import fail
+from clover_lite.cli.common import SEED, fail
 from clover_lite.errors import CloverError
 
 
@@ -85,7 +85,7 @@ def _check_method_options(ctx: click.Context, method: str) -> None:
               help="Calibration windows.")
 @click.option("--seqlen", type=click.IntRange(min=1), default=512, show_default=True,
               help="Tokens per calibration window (at most the model's context).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--device", default="cpu", show_default=True, callback=device_option,
               help="Where the math runs (cuda when there is a GPU).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer.")
@@ -172,7 +172,7 @@ def quantize(src, out, method, group_size, asym, no_act_order, no_static_groups,
 @click.option("--nsamples", type=click.IntRange(min=1), default=64, show_default=True, help="Evaluation windows.")
 @click.option("--seqlen", type=click.IntRange(min=1), default=256, show_default=True,
               help="Tokens per window (at most the model's context).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True, callback=device_option)
 def eval_cmd(model, reference, text, nsamples, seqlen, seed, device) -> None:
     """Masked-token NLL of MODEL (and KL against --against) on held-out text, block-diffusion style. For
@@ -188,7 +188,8 @@ def eval_cmd(model, reference, text, nsamples, seqlen, seed, device) -> None:
         from clover_lite.models.diffusion_gemma_config import is_diffusion_gemma_dir
 
         dg = [bool(path) and is_diffusion_gemma_dir(Path(path)) for path in (model, reference)]
-        if reference and dg[0] != dg[1]:
+        found = [bool(path) and (Path(path) / "config.json").is_file() for path in (model, reference)]
+        if reference and all(found) and dg[0] != dg[1]:  # a missing one: load says so
             raise CloverError(f"one of {model} and --against {reference} is a DiffusionGemma checkpoint and the other "
                               "is not; compare a model with the checkpoint it was quantized from")
         t = time.perf_counter()
@@ -197,16 +198,16 @@ def eval_cmd(model, reference, text, nsamples, seqlen, seed, device) -> None:
             from clover_lite.quant.eval_diffusion_gemma import check_window as check_canvas_window
             from clover_lite.quant.eval_diffusion_gemma import evaluate_diffusion_gemma
 
-            for path in (model, reference):
-                if path:  # before loading: a window that does not fit is refused
+            for path, here in zip((model, reference), found, strict=True):
+                if here:  # before loading: a window that does not fit is refused
                     cfg = load_diffusion_gemma_config(Path(path))
                     check_canvas_window(cfg.canvas_length, cfg.max_position_embeddings, seqlen)
             engine = load(model, device=device)
             ref = load(reference, device=device) if reference else None
             result = evaluate_diffusion_gemma(engine, ref, text, nsamples=nsamples, seqlen=seqlen, seed=seed)
         else:
-            for path in (model, reference):
-                if path and (Path(path) / "config.json").is_file():  # else load says what is wrong with it
+            for path, here, other in zip((model, reference), found, dg, strict=True):
+                if here and not other:  # else load says what is wrong with it
                     check_window(load_config(path), seqlen)  # before loading: a window past the context is refused
             # No decoding here: no CUDA-graph step, nor the cache sized to the free memory it would keep.
             engine = load(model, device=device, static_step=False)

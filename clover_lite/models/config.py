@@ -221,7 +221,8 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelC
     if model_type == "diffusion_gemma":
         raise ConfigError(
             f"{source}: a DiffusionGemma checkpoint (an encoder-decoder, not a block denoiser): clover_lite.load(), "
-            "`clover run`, `chat`, `info` and `quantize` read it; this command does not read it yet"
+            "`clover run`, `chat`, `serve`, `info`, `bench`, `quantize` and `eval` read it; this command does not "
+            "read it yet"
         )
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(

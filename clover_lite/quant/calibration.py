@@ -149,8 +149,8 @@ def calibration_ids(
         raise CloverError(f"calibration mode must be one of {MODES}, got '{mode}'")
     if len(stream) < seqlen + 1:
         raise CloverError(
-            f"calibration text has {len(stream)} tokens, fewer than one window of {seqlen}; give more text or "
-            "a smaller --seqlen"
+            f"calibration text has {len(stream)} tokens; a window of {seqlen} needs at least {seqlen + 1} (give more "
+            "text, or a smaller --seqlen)"
         )
     gen = torch.Generator().manual_seed(seed)
     data = torch.tensor(stream, dtype=torch.long)

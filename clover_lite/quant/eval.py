@@ -49,7 +49,8 @@ def eval_windows(engine: Engine, text_file: str | None, nsamples: int, seqlen: i
     texts = read_calibration_file(text_file, what="evaluation text (--text)") if text_file else heldout_texts()
     stream = token_stream(engine.tokenizer, texts, (engine.eos_token_ids or [None])[0])
     if len(stream) < seqlen + 1:
-        raise CloverError(f"held-out text has {len(stream)} tokens, fewer than one window of {seqlen}")
+        raise CloverError(f"held-out text has {len(stream)} tokens; a window of {seqlen} needs at least {seqlen + 1} "
+                          "(give a longer --text, or a shorter --seqlen)")
     gen = torch.Generator().manual_seed(seed)
     data = torch.tensor(stream)
     starts = torch.randint(0, len(stream) - seqlen, (nsamples,), generator=gen).tolist()

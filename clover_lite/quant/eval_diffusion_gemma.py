@@ -44,7 +44,8 @@ def canvas_windows(engine: DiffusionGemmaEngine, text_file: str | None, nsamples
     eos = engine.settings.eos_token_ids
     stream = token_stream(engine.tokenizer, texts, eos[0] if eos else None)
     if len(stream) < seqlen + 1:
-        raise CloverError(f"held-out text has {len(stream)} tokens, fewer than one window of {seqlen}")
+        raise CloverError(f"held-out text has {len(stream)} tokens; a window of {seqlen} needs at least {seqlen + 1} "
+                          "(give a longer --text, or a shorter --seqlen)")
     C, V = canvas_length(engine), engine.model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     data = torch.tensor(stream)

@@ -27,8 +27,12 @@ import torch
 
 from clover_lite.errors import GenerationError, NonFiniteError
 from clover_lite.models.diffusion_gemma import DiffusionGemma, PrefixCache
+from clover_lite.models.diffusion_gemma_config import DiffusionGemmaConfig
+from clover_lite.runtime.generation import MIN_TEMPERATURE
 
 SAMPLERS = ("entropy_bound",)
+MAX_T = 1e30
+MAX_STEPS = 2**31 - 1
 _SAMPLER_CLASSES = {"EntropyBoundSamplerConfig": "entropy_bound"}
 # transformers' defaults for what generation_config.json leaves unset (`_get_default_generation_params`).
 DEFAULTS = dict(max_new_tokens=256, max_denoising_steps=48, entropy_bound=0.1, t_min=0.4, t_max=0.8,
@@ -76,6 +80,14 @@ class DiffusionGemmaSettings:
             raise bad(f"entropy_bound={self.entropy_bound!r} must be > 0")
         if not (0 <= self.t_min < self.t_max):
             raise bad(f"t_min={self.t_min!r}, t_max={self.t_max!r}: need 0 <= t_min < t_max")
+        # The schedule is computed in fp32: below the floor the tempered logits overflow (sampling is argmax
+        # there anyway); above the ceiling the temperature itself does.
+        if not MIN_TEMPERATURE <= self.t_max <= MAX_T:
+            raise bad(f"t_max={self.t_max!r} must be between {MIN_TEMPERATURE:g} and {MAX_T:g} (fp32 holds the "
+                      "schedule there)")
+        if self.max_denoising_steps > MAX_STEPS:
+            raise bad(f"max_denoising_steps={self.max_denoising_steps!r} must be at most {MAX_STEPS} (an int32 "
+                      "step count)")
         if self.stability_threshold is not None and self.stability_threshold < 0:
             raise bad(f"stability_threshold={self.stability_threshold!r} must be >= 0")
         if self.confidence_threshold is not None and not self.confidence_threshold > 0:
@@ -192,20 +204,27 @@ class AdaptiveStop:
         return stable and bool(entropy.mean() < self.confidence)
 
 
+def check_text_prompt(config: DiffusionGemmaConfig, prompt: Sequence[int]) -> None:
+    """GenerationError for token ids the text path cannot take: outside the vocabulary, or image placeholders."""
+    image_ids = {t for t in (config.image_token_id, config.boi_token_id, config.eoi_token_id) if t is not None}
+    found = sorted(image_ids.intersection(prompt))
+    if found:
+        raise GenerationError(f"the prompt holds image placeholder token(s) {found}: clover-lite runs DiffusionGemma's "
+                              "text path only (an image in the conversation puts them there, and so does their "
+                              "text, such as <image_soft_token>, written in a message; remove it)")
+    if any(not 0 <= t < config.vocab_size for t in prompt):
+        raise GenerationError(f"prompt token id out of the vocabulary (0..{config.vocab_size - 1})")
+
+
 def _check_request(model: DiffusionGemma, prompt: list[int], settings: DiffusionGemmaSettings, committed: int,
                    images: Any) -> int:
     c = model.config
     if images is not None:
         raise GenerationError("image input is not supported: clover-lite runs DiffusionGemma's text path only "
                               "(send text alone)")
-    image_ids = {t for t in (c.image_token_id, c.boi_token_id, c.eoi_token_id) if t is not None}
-    if image_ids.intersection(prompt):
-        raise GenerationError("the prompt holds image placeholder tokens: clover-lite runs DiffusionGemma's text "
-                              "path only (remove the image from the conversation)")
+    check_text_prompt(c, prompt)
     if not prompt and committed == 0:
         raise GenerationError("empty prompt: DiffusionGemma needs at least one token (e.g. BOS) to condition on")
-    if any(not 0 <= t < c.vocab_size for t in prompt):
-        raise GenerationError(f"prompt token id out of the vocabulary (0..{c.vocab_size - 1})")
     C = settings.canvas_length or c.canvas_length
     ctx = c.max_position_embeddings
     if C > ctx:

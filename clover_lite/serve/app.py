@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -65,7 +66,8 @@ def from_engine_error(e: BaseException) -> ApiError:
         return ApiError(500, f"the model's logits went non-finite: {e}", type="server_error", code="non_finite")
     if isinstance(e, GenerationError):
         return bad(str(e))
-    return ApiError(500, f"internal error ({type(e).__name__}: {e}); the server goes on serving",
+    said = str(e).encode("utf-8", "backslashreplace").decode("utf-8")  # a response body must be UTF-8
+    return ApiError(500, f"internal error ({type(e).__name__}: {said}); the server goes on serving",
                     type="server_error", code="internal_error")
 
 
@@ -194,7 +196,13 @@ class Server:
                     log.warning("%s stream ended by an error: %s", kind, err.message)
                     yield out.error(err.body())
                     return
-                item = await job.items.get()
+                try:
+                    item = await job.items.get()
+                except asyncio.CancelledError:  # the drain time is over: say so, then end the stream
+                    if not self.scheduler.closing:
+                        raise
+                    job.cancel()
+                    item = (ERROR, ShuttingDown("the server stopped before this request finished"))
         finally:
             if not finished:  # the client went away mid-stream (or the server is stopping): free the engine
                 job.cancel()
@@ -203,9 +211,9 @@ class Server:
     async def decide(self, request: Request) -> Response:
         t0 = time.monotonic()
         self.authorised(request)
-        req = decide_request(await read_json(request, self.settings.max_body_bytes))
-        if self.texts.decide_refusal:
+        if self.texts.decide_refusal:  # whatever the body holds
             raise bad(self.texts.decide_refusal, code="unsupported_model")
+        req = decide_request(await read_json(request, self.settings.max_body_bytes))
         try:
             pairs = question_list(req.questions)
             self.engine.canvas_config(**req.overrides)
@@ -258,6 +266,22 @@ class Server:
             log.info("%s prompt=%r reply=%r", kind, prompt, reply.text)
 
 
+class QuietShutdown:
+    """Once the drain time is over, uvicorn cancels the responses still open; each has already told its client
+    (a 503, or an error event ending its stream), so the cancellation ends it quietly instead of as a traceback
+    in the log."""
+
+    def __init__(self, app, scheduler: Scheduler):
+        self.app, self.scheduler = app, scheduler
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self.scheduler.closing:
+                raise
+
+
 def create_app(engine: Engine | DiffusionGemmaEngine, settings: ServeSettings) -> Starlette:
     """The ASGI app serving `engine`; its lifespan stops the worker thread on shutdown."""
     server = Server(engine, settings)
@@ -270,6 +294,14 @@ def create_app(engine: Engine | DiffusionGemmaEngine, settings: ServeSettings) -
                 if e.status >= 500:
                     log.warning("%s %s -> %d %s", request.method, request.url.path, e.status, e.message)
                 return error_response(e)
+            except asyncio.CancelledError:  # uvicorn cancels what is still open once the drain time is over
+                if not server.scheduler.closing:
+                    raise
+                return error_response(from_engine_error(ShuttingDown("the server stopped before this request "
+                                                                     "finished")))
+            except Exception as e:  # a bug: one JSON 500 and the traceback in the log, and the server goes on
+                log.exception("%s %s failed", request.method, request.url.path)
+                return error_response(from_engine_error(e))
         return run
 
     async def not_found(request: Request, exc: HTTPException) -> Response:
@@ -290,6 +322,7 @@ def create_app(engine: Engine | DiffusionGemmaEngine, settings: ServeSettings) -
         Route("/v1/models/{name:path}", endpoint(server.model), methods=["GET"]),
         Route("/health", endpoint(server.health), methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: not_found}, lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers={HTTPException: not_found}, lifespan=lifespan,
+                    middleware=[Middleware(QuietShutdown, scheduler=server.scheduler)])
     app.state.server = server
     return app

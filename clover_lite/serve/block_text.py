@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from clover_lite.errors import GenerationError, TokenizerError
 from clover_lite.runtime.engine import Engine
 from clover_lite.runtime.generation import DoneEvent, StepEvent
-from clover_lite.serve.requests import EXTENSION, Prepared, TextRequest, bad, context_exceeded
+from clover_lite.serve.requests import EXTENSION, ApiError, Prepared, TextRequest, bad, context_exceeded
 from clover_lite.serve.responses import Reply, reply_of
 from clover_lite.serve.scheduler import ITEM, Job, Scheduler
 
@@ -43,9 +43,13 @@ class BlockText:
             raise bad(str(e), param="messages" if req.kind == "chat" else "prompt") from None
         limit, P = engine.context_limit, len(ids)
         room = limit - P
+        if req.max_tokens is None and room < 1:
+            raise ApiError(400, f"the prompt ({P} tokens) fills the model's context of {limit} by itself; shorten it",
+                           param="messages" if req.kind == "chat" else "prompt", code="context_length_exceeded",
+                           extra={"limits": {"context": limit, "prompt_tokens": P}})
         max_tokens = req.max_tokens if req.max_tokens is not None else min(engine.default_config.max_new_tokens, room)
-        if room < 1 or max_tokens > room:
-            raise context_exceeded(P, max(max_tokens, 1), limit)
+        if max_tokens > room:
+            raise context_exceeded(P, max_tokens, limit)
         try:
             cfg = engine.resolve_config(max_new_tokens=max_tokens, **req.overrides)
         except GenerationError as e:

@@ -21,9 +21,9 @@ from starlette.concurrency import run_in_threadpool
 
 from clover_lite.errors import GenerationError, TokenizerError
 from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaEngine, DiffusionGemmaReply
-from clover_lite.runtime.diffusion_gemma_loop import CanvasEvent, StepEvent
+from clover_lite.runtime.diffusion_gemma_loop import CanvasEvent, StepEvent, check_text_prompt
 from clover_lite.runtime.generation import check_seed
-from clover_lite.serve.requests import Prepared, TextRequest, bad, context_exceeded
+from clover_lite.serve.requests import ApiError, Prepared, TextRequest, bad, context_exceeded
 from clover_lite.serve.responses import Reply
 from clover_lite.serve.scheduler import ITEM, Job, Scheduler
 from clover_lite.tokenizer.incremental import IncrementalDecoder
@@ -76,18 +76,23 @@ class DiffusionGemmaText:
             settings = replace(self.engine.settings, **overrides).checked()
         except GenerationError as e:
             raise bad(str(e), param="clover") from None
+        prompt_param = "messages" if req.kind == "chat" else "prompt"
         try:
             ids = await run_in_threadpool(self.engine.encode_prompt, req.prompt, raw=req.kind == "completion")
+            check_text_prompt(self.engine.model.config, ids)  # before it queues, not in the worker
         except (GenerationError, TokenizerError) as e:  # e.g. a chat template that refuses these messages
-            raise bad(str(e), param="messages" if req.kind == "chat" else "prompt") from None
+            raise bad(str(e), param=prompt_param) from None
         C = settings.canvas_length or self.engine.model.config.canvas_length
         limit, P = self.engine.context_limit, len(ids)
         room = (limit - P) // C * C  # whole canvases
+        if req.max_tokens is None and room < 1:
+            raise ApiError(400, f"the prompt ({P} tokens) leaves no room for one canvas of {C} in the model's "
+                                f"context of {limit}; shorten it", param=prompt_param, code="context_length_exceeded",
+                           extra={"limits": {"context": limit, "prompt_tokens": P, "canvas_length": C}})
         max_tokens = req.max_tokens if req.max_tokens is not None else min(settings.max_new_tokens, room)
-        asked = max(max_tokens, 1)
-        needed = P + math.ceil(asked / C) * C
+        needed = P + math.ceil(max_tokens / C) * C
         if needed > limit:
-            raise context_exceeded(P, asked, limit, needed, f" (in canvases of {C})")
+            raise context_exceeded(P, max_tokens, limit, needed, f" (in canvases of {C})")
         return Prepared(ids, stop, (seed, {**overrides, "max_new_tokens": max_tokens}), max_tokens)
 
     def work(self, p: Prepared, stream: bool) -> Callable[[Job], Reply | None]:

@@ -105,6 +105,9 @@ def _check_fields(body: Any, known: set[str]) -> dict:
     if unknown:
         raise bad(f"unknown field '{unknown[0]}'; this endpoint takes {sorted(known)} (our own settings go in "
                   "the 'clover' object)", param=unknown[0], code="unknown_field")
+    if "model" in body and not isinstance(body["model"], str):
+        raise bad(f"'model' must be a string (any name: this server serves one model), got {body['model']!r}",
+                  param="model", code="invalid_type")
     for name, allowed in NEUTRAL.items():
         if name in body and not any(body[name] is a if a is None else
                                     (type(body[name]) is type(a) and body[name] == a) for a in allowed):
@@ -152,6 +155,8 @@ def _common(body: dict, fields: dict) -> tuple[dict, int | None, bool, bool]:
             raise bad(f"'stop' must be a string or a list of strings, got {stop!r}", param="stop", code="invalid_type")
         if len(stops) > MAX_STOP or any(not s for s in stops):
             raise bad(f"'stop' takes 1 to {MAX_STOP} non-empty strings", param="stop")
+        for s in stops:
+            _valid_text(s, "stop")
         if stops:
             overrides["stop"] = tuple(stops)
     n = _typed(body, "n", _is_int, "an integer")
@@ -192,15 +197,25 @@ def extension(body: dict, fields: dict = EXTENSION) -> dict:
     return out
 
 
+def _valid_text(text: str, param: str) -> str:
+    """`text`, unless it holds a lone UTF-16 surrogate (JSON's "\\ud800" escape), which no tokenizer reads."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"'{param}' holds a lone UTF-16 surrogate (U+{ord(text[e.start]):04X} at character {e.start}), "
+                  "which is not text; send valid Unicode", param=param, code="invalid_text") from None
+    return text
+
+
 def _message_text(content: Any, where: str) -> str:
     if isinstance(content, str):
-        return content
+        return _valid_text(content, f"{where}.content")
     if isinstance(content, list):
         parts = []
         for k, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
+                parts.append(_valid_text(part["text"], f"{where}.content[{k}].text"))
             elif kind in ("image_url", "input_image", "input_audio", "file"):
                 raise bad(f"{where}.content[{k}] is {kind}: this model reads text only; send text parts",
                           param=f"{where}.content", code="unsupported_content")
@@ -251,6 +266,8 @@ def completion_request(body: Any, vocab_size: int, fields: dict = EXTENSION) -> 
     elif not isinstance(prompt, str) or not prompt:
         raise bad("'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
                   param="prompt")
+    else:
+        _valid_text(prompt, "prompt")
     overrides, max_tokens, stream, usage = _common(body, fields)
     # Completions model a continuation of raw text: the default max_tokens is OpenAI's 16 there.
     return TextRequest("completion", prompt, overrides, max_tokens if max_tokens is not None else 16, stream, usage)
@@ -261,10 +278,15 @@ def decide_request(body: Any) -> DecideRequest:
     context = body.get("context")
     if not isinstance(context, str):
         raise bad("'context' must be a string (what the questions are about)", param="context")
+    _valid_text(context, "context")
     questions = body.get("questions")
     if not isinstance(questions, dict) or not questions:
         raise bad("'questions' must be an object mapping each name to its list of allowed answers, e.g. "
                   '{"window": ["open", "closed"]}', param="questions")
+    for name, options in questions.items():  # their shapes are checked by the engine (runtime/decide.py)
+        for text in [name, *(options if isinstance(options, list) else [options])]:
+            if isinstance(text, str):
+                _valid_text(text, "questions")
     mode = body.get("mode", "joint")
     if mode not in ("joint", "sequential"):
         raise bad(f"'mode' must be 'joint' or 'sequential', got {mode!r}", param="mode")

@@ -90,6 +90,11 @@ class Scheduler:
         mean = sum(self._durations) / len(self._durations) if self._durations else 1.0
         return max(1, math.ceil(mean * (len(self._waiting) + 1)))
 
+    @property
+    def closing(self) -> bool:
+        """Shutting down: new jobs are refused, and what is still open will be cancelled."""
+        return self._closing
+
     def status(self) -> dict:
         with self._cond:
             return {"busy": self._running is not None, "waiting": len(self._waiting), "max_queue": self.max_queue,
