@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from clover_lite.errors import GenerationError
-from clover_lite.tokenizer.tokenizer import Tokenizer
+from clover_lite.tokenizer.tokenizer import Tokenizer, check_text
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -30,6 +30,7 @@ def prompt_ids(prompt: Prompt, tokenizer: Tokenizer | None, vocab_size: int, *, 
         return tokenizer
 
     if isinstance(prompt, str):
+        check_text(prompt, "the prompt")
         if raw or not tok().has_chat_template:
             return tok().encode(prompt)
         prompt = [{"role": "user", "content": prompt}]
@@ -39,6 +40,9 @@ def prompt_ids(prompt: Prompt, tokenizer: Tokenizer | None, vocab_size: int, *, 
                                                                  if isinstance(prompt, (bytes, bytearray)) else ""))
     items = list(prompt)
     if items and all(isinstance(m, dict) for m in items):
+        for k, m in enumerate(items):
+            if isinstance(m.get("content"), str):
+                check_text(m["content"], f"message {k}")
         return tok().encode(tok().apply_chat_template(items, add_generation_prompt=add_generation_prompt))
     if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
         bad = [t for t in items if not 0 <= t < vocab_size]

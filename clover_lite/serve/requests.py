@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clover_lite.errors import CloverError
+from clover_lite.tokenizer.tokenizer import not_text
 
 # OpenAI fields this server accepts only at their neutral value: clients send them with defaults, and a
 # request that asks for more than the runtime does is refused instead of silently ignored.
@@ -198,12 +199,11 @@ def extension(body: dict, fields: dict = EXTENSION) -> dict:
 
 
 def _valid_text(text: str, param: str) -> str:
-    """`text`, unless it holds a lone UTF-16 surrogate (JSON's "\\ud800" escape), which no tokenizer reads."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise bad(f"'{param}' holds a lone UTF-16 surrogate (U+{ord(text[e.start]):04X} at character {e.start}), "
-                  "which is not text; send valid Unicode", param=param, code="invalid_text") from None
+    """`text`, unless no tokenizer reads it (a lone UTF-16 surrogate: JSON's "\\ud800" escape)."""
+    problem = not_text(text)
+    if problem:
+        raise bad(f"'{param}' holds a lone UTF-16 surrogate ({problem}); send valid Unicode", param=param,
+                  code="invalid_text")
     return text
 
 

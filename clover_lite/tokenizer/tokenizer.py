@@ -25,6 +25,25 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from clover_lite.errors import TokenizerError
 from clover_lite.tokenizer.incremental import IncrementalDecoder
 
+
+def not_text(text: str) -> str | None:
+    """What makes `text` unreadable to a tokenizer, or None: a lone UTF-16 surrogate, which is how Python shows
+    argv or stdin bytes that are not UTF-8 (and JSON's "\\ud800" escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"U+{ord(text[e.start]):04X} at character {e.start}, which is not text"
+    return None
+
+
+def check_text(text: str, what: str) -> None:
+    """TokenizerError naming `what` when `text` is not text (not_text)."""
+    problem = not_text(text)
+    if problem:
+        raise TokenizerError(f"{what} holds {problem} (bytes that are not UTF-8, read from a terminal, pipe or "
+                             "file?); pass UTF-8 text")
+
+
 TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_MODEL = "tokenizer.model"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -221,6 +240,7 @@ class Tokenizer:
         """Token ids of `text`; `add_special_tokens` adds the model's bos/eos the way its config asks."""
         if not isinstance(text, str):
             raise TokenizerError(f"encode() takes a str, got {type(text).__name__}; pass the prompt text.")
+        check_text(text, "the text")
         ids = self._backend.encode(text, add_special_tokens)
         if add_special_tokens:
             if self._add_bos and self.bos_token_id is not None:
