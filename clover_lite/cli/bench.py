@@ -19,7 +19,7 @@ import torch
 from clover_lite.checkpoint.random_weights import ProgressFn, init_random_
 from clover_lite.cli import bench_diffusion_gemma as dgbench
 from clover_lite.cli.bench_table import latency_summary, report_table
-from clover_lite.cli.common import SEED
+from clover_lite.cli.common import SEED, given_on_command_line, not_for_diffusion_gemma
 from clover_lite.cli.quantize import device_option, group_size_option
 from clover_lite.errors import CloverError
 from clover_lite.models.config import ModelConfig
@@ -311,12 +311,10 @@ def bench(model, model_path, config_name, random_weights, quant, group_size, dev
         raise click.UsageError(f"--group-size applies to --config NAME --random-weights --quant int4; {why}")
     diffusion_gemma = model_path is not None and is_diffusion_gemma_dir(Path(model_path))
     if diffusion_gemma:
-        given = [k for k in ("block_size", "threshold", "policy") if click.get_current_context().get_parameter_source(k)
-                 == click.core.ParameterSource.COMMANDLINE]
+        given = given_on_command_line(("block_size", "threshold", "policy"))
         if given or plot_path:
-            wrong = f"--{given[0].replace('_', '-')}" if given else "--plot"
-            raise click.UsageError(f"{wrong} does not apply to DiffusionGemma (it denoises whole canvases with its own "
-                                   "sampler; the JSON has its steps-per-canvas projection)")
+            raise not_for_diffusion_gemma(f"--{given[0].replace('_', '-')}" if given else "--plot",
+                                          "the JSON has its steps-per-canvas projection")
     try:
         for target in (json_path, plot_path):  # before the run, not after it
             if target:

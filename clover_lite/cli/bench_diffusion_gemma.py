@@ -16,13 +16,9 @@ import torch
 from clover_lite.cli.bench_table import latency_summary, report_table
 from clover_lite.runtime.device import on_device
 from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaEngine
-from clover_lite.runtime.diffusion_gemma_loop import DoneEvent, Session, StepEvent, stream
+from clover_lite.runtime.diffusion_gemma_loop import DoneEvent, Session, StepEvent, image_token_ids, stream
 
 ProgressFn = Callable[[str, int, int], None]
-
-
-def canvas_length(engine: DiffusionGemmaEngine) -> int:
-    return engine.settings.canvas_length or engine.model.config.canvas_length
 
 
 def bench_context(prompt_tokens: int, new_tokens: int, steps: int, canvas: int) -> int:
@@ -35,12 +31,11 @@ def run_diffusion_gemma_bench(engine: DiffusionGemmaEngine, prompt_tokens: int =
                               steps: int = 16, seed: int = 0, progress: ProgressFn | None = None) -> dict:
     """Time the prompt's encode, `steps` decoder steps and canvas commits, then a whole generation after the
     prompt (already cached, EOS ignored) with the checkpoint's own sampler settings, on random token ids."""
-    model, C = engine.model, canvas_length(engine)
+    model, C = engine.model, engine.canvas_length
     c = model.config
     device = model.decoder.embed_tokens.weight.device
     gen = torch.Generator().manual_seed(seed)
-    image = torch.tensor([t for t in (c.image_token_id, c.boi_token_id, c.eoi_token_id) if t is not None],
-                         dtype=torch.long)
+    image = torch.tensor(sorted(image_token_ids(c)), dtype=torch.long)
 
     def tokens(n: int) -> torch.Tensor:  # random ids, never an image placeholder (the text path refuses those)
         ids = torch.randint(0, c.vocab_size, (1, n), generator=gen)

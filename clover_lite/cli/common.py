@@ -107,17 +107,26 @@ def model_argument(positional: str | None, option: str | None) -> str | None:
     return positional or option
 
 
-def diffusion_gemma_options(decoding: dict) -> dict:
-    """Of `run`/`chat`'s decoding options, those that apply to DiffusionGemma (-n when given, --seed); one
-    given on the command line that does not apply is a usage error naming it."""
+def given_on_command_line(names) -> list[str]:
+    """Those of the current command's parameters `names` that the command line set (not defaults), sorted."""
     from click.core import ParameterSource
 
     ctx = click.get_current_context()
-    given = {k for k in decoding if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
-    wrong = sorted(given - {"max_new_tokens", "seed"})
+    return sorted(k for k in names if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE)
+
+
+def not_for_diffusion_gemma(option: str, what_applies: str) -> click.UsageError:
+    return click.UsageError(f"{option} does not apply to DiffusionGemma (it denoises whole canvases with its own "
+                            f"sampler); {what_applies}")
+
+
+def diffusion_gemma_options(decoding: dict) -> dict:
+    """Of `run`/`chat`'s decoding options, those that apply to DiffusionGemma (-n when given, --seed); one
+    given on the command line that does not apply is a usage error naming it."""
+    given = given_on_command_line(decoding)
+    wrong = [k for k in given if k not in ("max_new_tokens", "seed")]
     if wrong:
-        raise click.UsageError(f"--{wrong[0].replace('_', '-')} does not apply to DiffusionGemma (it denoises whole "
-                               "canvases with its own sampler); of the decoding options -n and --seed apply")
+        raise not_for_diffusion_gemma(f"--{wrong[0].replace('_', '-')}", "of the decoding options -n and --seed apply")
     return {"seed": decoding.get("seed"),
             "max_new_tokens": decoding["max_new_tokens"] if "max_new_tokens" in given else None}
 

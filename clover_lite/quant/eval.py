@@ -39,6 +39,20 @@ def check_window(config: ModelConfig, seqlen: int) -> None:
                           f"{config.max_position_embeddings}); use --seqlen {config.max_position_embeddings} or less")
 
 
+def heldout_windows(tokenizer: Tokenizer, text_file: str | None, separator: int | None, nsamples: int, seqlen: int,
+                    gen: torch.Generator) -> torch.Tensor:
+    """[nsamples, seqlen] windows at random starts (drawn from `gen`) of the held-out token stream: `text_file`
+    (--text), else the standard-library files calibration never reads; documents joined by `separator`."""
+    texts = read_calibration_file(text_file, what="evaluation text (--text)") if text_file else heldout_texts()
+    stream = token_stream(tokenizer, texts, separator)
+    if len(stream) < seqlen + 1:
+        raise CloverError(f"held-out text has {len(stream)} tokens; a window of {seqlen} needs at least {seqlen + 1} "
+                          "(give a longer --text, or a shorter --seqlen)")
+    data = torch.tensor(stream)
+    starts = torch.randint(0, len(stream) - seqlen, (nsamples,), generator=gen).tolist()
+    return torch.stack([data[s : s + seqlen] for s in starts])
+
+
 def eval_windows(engine: Engine, text_file: str | None, nsamples: int, seqlen: int, seed: int,
                  block_size: int, mask_ratios: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids with the last block masked [n, seqlen], bool mask of the masked positions)."""
@@ -46,15 +60,8 @@ def eval_windows(engine: Engine, text_file: str | None, nsamples: int, seqlen: i
         raise CloverError("evaluation needs the model's tokenizer")
     if engine.mask_token_id is None:
         raise CloverError("evaluation needs the model's mask token")
-    texts = read_calibration_file(text_file, what="evaluation text (--text)") if text_file else heldout_texts()
-    stream = token_stream(engine.tokenizer, texts, (engine.eos_token_ids or [None])[0])
-    if len(stream) < seqlen + 1:
-        raise CloverError(f"held-out text has {len(stream)} tokens; a window of {seqlen} needs at least {seqlen + 1} "
-                          "(give a longer --text, or a shorter --seqlen)")
     gen = torch.Generator().manual_seed(seed)
-    data = torch.tensor(stream)
-    starts = torch.randint(0, len(stream) - seqlen, (nsamples,), generator=gen).tolist()
-    ids = torch.stack([data[s : s + seqlen] for s in starts])
+    ids = heldout_windows(engine.tokenizer, text_file, (engine.eos_token_ids or [None])[0], nsamples, seqlen, gen)
     masked = torch.zeros_like(ids, dtype=torch.bool)
     last = (seqlen - 1) // block_size * block_size
     span = seqlen - last

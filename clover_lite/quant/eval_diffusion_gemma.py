@@ -15,14 +15,9 @@ import math
 import torch
 
 from clover_lite.errors import CloverError
-from clover_lite.quant.calibration import heldout_texts, read_calibration_file, token_stream
-from clover_lite.quant.eval import EvalResult, check_same_tokenizer
+from clover_lite.quant.eval import EvalResult, check_same_tokenizer, heldout_windows
 from clover_lite.runtime.device import on_device
 from clover_lite.runtime.diffusion_gemma_engine import DiffusionGemmaEngine
-
-
-def canvas_length(engine: DiffusionGemmaEngine) -> int:
-    return engine.settings.canvas_length or engine.model.config.canvas_length
 
 
 def check_window(canvas: int, context: int, seqlen: int) -> None:
@@ -40,17 +35,10 @@ def canvas_windows(engine: DiffusionGemmaEngine, text_file: str | None, nsamples
     were renoised [n, C]); the same for every model with this tokenizer, canvas length and `seed`."""
     if engine.tokenizer is None:
         raise CloverError("evaluation needs the model's tokenizer (tokenizer.json or tokenizer.model)")
-    texts = read_calibration_file(text_file, what="evaluation text (--text)") if text_file else heldout_texts()
     eos = engine.settings.eos_token_ids
-    stream = token_stream(engine.tokenizer, texts, eos[0] if eos else None)
-    if len(stream) < seqlen + 1:
-        raise CloverError(f"held-out text has {len(stream)} tokens; a window of {seqlen} needs at least {seqlen + 1} "
-                          "(give a longer --text, or a shorter --seqlen)")
-    C, V = canvas_length(engine), engine.model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
-    data = torch.tensor(stream)
-    starts = torch.randint(0, len(stream) - seqlen, (nsamples,), generator=gen).tolist()
-    ids = torch.stack([data[s : s + seqlen] for s in starts])
+    ids = heldout_windows(engine.tokenizer, text_file, eos[0] if eos else None, nsamples, seqlen, gen)
+    C, V = engine.canvas_length, engine.model.config.vocab_size
     noised = torch.zeros(nsamples, C, dtype=torch.bool)
     for i in range(nsamples):
         k = max(1, round(noise_ratios[i % len(noise_ratios)] * C))
@@ -78,8 +66,8 @@ def _check_comparable(engine: DiffusionGemmaEngine, reference: DiffusionGemmaEng
     shape = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts", "vocab_size")
     differ = [f"{k} {getattr(ours, k)} vs {getattr(theirs, k)}" for k in shape
               if getattr(ours, k) != getattr(theirs, k)]
-    if canvas_length(engine) != canvas_length(reference):
-        differ.append(f"canvas_length {canvas_length(engine)} vs {canvas_length(reference)}")
+    if engine.canvas_length != reference.canvas_length:
+        differ.append(f"canvas_length {engine.canvas_length} vs {reference.canvas_length}")
     if differ:
         raise CloverError(f"the model and --against are different models ({', '.join(differ)}); compare a model "
                           "with the checkpoint it was quantized from")
@@ -92,10 +80,10 @@ def evaluate_diffusion_gemma(engine: DiffusionGemmaEngine, reference: DiffusionG
                              noise_ratios: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)) -> EvalResult:
     if nsamples < 1:
         raise CloverError(f"--nsamples ({nsamples}) must be at least 1")
-    check_window(canvas_length(engine), engine.context_limit, seqlen)
+    check_window(engine.canvas_length, engine.context_limit, seqlen)
     if reference is not None:
         _check_comparable(engine, reference)
-        check_window(canvas_length(reference), reference.context_limit, seqlen)
+        check_window(reference.canvas_length, reference.context_limit, seqlen)
     ids, canvases, noised = canvas_windows(engine, text_file, nsamples, seqlen, seed, noise_ratios)
     C = canvases.shape[-1]
     nll = ref_nll = kl = agree = 0.0

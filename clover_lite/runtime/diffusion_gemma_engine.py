@@ -32,7 +32,8 @@ from clover_lite.runtime.diffusion_gemma_loop import (
 from clover_lite.runtime.exclusive import OneAtATime
 from clover_lite.runtime.generation import check_seed
 from clover_lite.runtime.prompt import prompt_ids
-from clover_lite.tokenizer.tokenizer import Tokenizer
+from clover_lite.tokenizer.incremental import IncrementalDecoder
+from clover_lite.tokenizer.tokenizer import Tokenizer, has_tokenizer_files
 
 
 @dataclass
@@ -65,6 +66,11 @@ class DiffusionGemmaEngine:
         return self.model.config.max_position_embeddings
 
     @property
+    def canvas_length(self) -> int:
+        """Positions per canvas: the settings' (generation_config.json) or the checkpoint's."""
+        return self.settings.canvas_length or self.model.config.canvas_length
+
+    @property
     def load_report(self) -> DiffusionGemmaLoadReport:
         """What loading read and skipped (Engine's name for it: the CLI prints its notes)."""
         return self.report
@@ -79,8 +85,7 @@ class DiffusionGemmaEngine:
         dev = resolve_device(device)
         model, report = load_diffusion_gemma(path, dev, resolve_dtype(dtype, dev), kernels=kernels,
                                              check_finite=check_finite)
-        has_tokenizer = (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()
-        tokenizer = Tokenizer.from_dir(path) if has_tokenizer else None
+        tokenizer = Tokenizer.from_dir(path) if has_tokenizer_files(path) else None
         settings = settings_from_generation_config(path, eos_fallback=model.config.eos_token_ids)
         return cls(path, model, tokenizer, settings, report)
 
@@ -91,6 +96,11 @@ class DiffusionGemmaEngine:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer else ""
+
+    def detokenizer(self) -> IncrementalDecoder:
+        """A fresh decoder of a growing reply whose text is always `decode` of its ids."""
+        return self.tokenizer.incremental_decoder(skip_special_tokens=True) if self.tokenizer else \
+            IncrementalDecoder(self.decode)
 
     def stream(self, prompt: str | Sequence[int] | Sequence[dict[str, Any]], *, raw: bool = False,
                seed: int | None = None, images: Any = None, wait: float | None = None, **overrides: Any
@@ -110,8 +120,7 @@ class DiffusionGemmaEngine:
         turn = self._turns.acquire(wait)
         try:
             events = stream(self.model, ids, settings, self.session, gen, images)
-            # The committed text changes once per canvas: decoded then (its new ids), not at every step.
-            detok = self.tokenizer.incremental_decoder(skip_special_tokens=True) if self.tokenizer else None
+            detok = self.detokenizer()  # the committed text changes once per canvas: decoded then, its new ids
             committed = ""
             try:
                 while True:
@@ -123,7 +132,7 @@ class DiffusionGemmaEngine:
                     if isinstance(event, StepEvent):
                         yield TextEvent(committed, self.decode(event.draft), event)
                     elif isinstance(event, CanvasEvent):
-                        committed = detok.push(event.tokens) if detok else ""
+                        committed = detok.push(event.tokens)
                         yield TextEvent(committed, "", event)
                     elif isinstance(event, DoneEvent):
                         r = event.result

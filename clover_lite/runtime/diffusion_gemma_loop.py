@@ -204,10 +204,14 @@ class AdaptiveStop:
         return stable and bool(entropy.mean() < self.confidence)
 
 
+def image_token_ids(config: DiffusionGemmaConfig) -> set[int]:
+    """The image placeholder ids (image, begin and end of image), which the text path refuses."""
+    return {t for t in (config.image_token_id, config.boi_token_id, config.eoi_token_id) if t is not None}
+
+
 def check_text_prompt(config: DiffusionGemmaConfig, prompt: Sequence[int]) -> None:
     """GenerationError for token ids the text path cannot take: outside the vocabulary, or image placeholders."""
-    image_ids = {t for t in (config.image_token_id, config.boi_token_id, config.eoi_token_id) if t is not None}
-    found = sorted(image_ids.intersection(prompt))
+    found = sorted(image_token_ids(config).intersection(prompt))
     if found:
         raise GenerationError(f"the prompt holds image placeholder token(s) {found}: clover-lite runs DiffusionGemma's "
                               "text path only (an image in the conversation puts them there, and so does their "

@@ -58,7 +58,7 @@ class DiffusionGemmaText:
         """The model's facts under `clover` in /v1/models."""
         c = self.engine.model.config
         return {"model_type": "diffusion_gemma", "context": self.engine.context_limit,
-                "canvas_length": self.engine.settings.canvas_length or c.canvas_length, "vocab_size": c.vocab_size}
+                "canvas_length": self.engine.canvas_length, "vocab_size": c.vocab_size}
 
     async def prepare(self, req: TextRequest) -> Prepared:
         overrides = dict(req.overrides)
@@ -82,7 +82,7 @@ class DiffusionGemmaText:
             check_text_prompt(self.engine.model.config, ids)  # before it queues, not in the worker
         except (GenerationError, TokenizerError) as e:  # e.g. a chat template that refuses these messages
             raise bad(str(e), param=prompt_param) from None
-        C = settings.canvas_length or self.engine.model.config.canvas_length
+        C = self.engine.canvas_length
         limit, P = self.engine.context_limit, len(ids)
         room = (limit - P) // C * C  # whole canvases
         if req.max_tokens is None and room < 1:
@@ -102,7 +102,7 @@ class DiffusionGemmaText:
 
         def run(job: Job) -> Reply | None:
             t0 = time.perf_counter()
-            detok = IncrementalDecoder(self.engine.decode, windowed=False)  # a few canvases: exact and cheap
+            detok = self.engine.detokenizer()
             tokens: list[int] = []
             text, finish, forwards, canvases = "", None, 0, 0
             events = self.engine.stream(p.ids, seed=seed, **settings)
@@ -145,7 +145,8 @@ def take_canvas(canvas: list[int], tokens: list[int], detok: IncrementalDecoder,
     take = canvas[: max_tokens - len(tokens)]
     tokens += take
     text = detok.push(take)
-    hits = [i for s in stop if (i := text.find(s)) >= 0]
+    # A new match ends after what this push left unchanged (earlier canvases held none), as in the block loop.
+    hits = [i for s in stop if (i := text.find(s, max(0, detok.changed_from - len(s) + 1))) >= 0]
     if hits:
         text = text[: min(hits)]
         del tokens[detok.ids_covering(text):]
